@@ -1,0 +1,3 @@
+// Package relay serves the OpenAI HTTP API on a public host and routes each
+// request to an agent.
+package relay

@@ -1,0 +1,2 @@
+// Package scheduler picks which agent serves each inference request.
+package scheduler
