@@ -1,2 +1,181 @@
 // Package scheduler picks which agent serves each inference request.
+//
+// An inference engine keeps the KV cache of the prompts it has just
+// processed. A follow-up turn sent to the engine that served the previous
+// turn skips most of its prefill, which is worth an order of magnitude in
+// time to first token. The scheduler therefore remembers, per session, the
+// endpoint that last served it and sends the session back there while that
+// endpoint can take it; everything else (new sessions, sessions whose
+// endpoint is gone or saturated) is placed by a score. The package is pure:
+// no I/O, no goroutines, time only from Config.Clock. A Scheduler is safe
+// for concurrent use; one mutex guards all of its state, which keeps every
+// decision consistent and costs tens of nanoseconds per call.
+//
+// # Use
+//
+// The relay registers endpoints with Upsert, Remove and SetHealth. For each
+// request it calls Begin, then Pick; it sends the request to the chosen
+// endpoint and hands the Choice back to Report with the Outcome. If the
+// returned Class is Retryable it calls Pick again on the same Attempt,
+// which by then excludes what failed. Every Choice must be reported exactly
+// once: Report releases the in-flight slot that Pick reserved.
+//
+// # Endpoints and models
+//
+// Endpoints are indexed by model, so a pick only looks at the endpoints
+// serving the requested model. Weight 0 (or invalid) means 1; Capacity 0
+// means unlimited. Pick returns ErrUnknownModel only when no registered
+// endpoint lists the model at all (HTTP 404); when endpoints list it but
+// none may take the request (disabled, draining, breaker open, full) it
+// returns an *UnavailableError (HTTP 503, or 429 when every candidate is
+// rate limited). Models lists the models of endpoints that are neither
+// disabled nor draining.
+//
+// # What "allowed right now" means
+//
+// An endpoint is allowed for an attempt when all of these hold, checked in
+// this order: it is not disabled; it has not answered 401/403 earlier in this
+// request (dead key); it has not answered 429 earlier in this request (used
+// key); it serves the model; it is not draining; its breaker is closed, or
+// half-open with a free probe slot; and, if it has a capacity, fewer than
+// Capacity requests are in flight on it. Attempt.Excluded reports the first
+// of the four per-request exclusions that applies.
+//
+// Among allowed endpoints, two kinds are avoided and used only when nothing
+// else is allowed: endpoints gossip marks Suspect, and endpoints that failed
+// (5xx, timeout, connection error) earlier in this request, so a retry goes
+// elsewhere when it can but a lone endpoint can still be retried.
+//
+// Per-request exclusions live in the Attempt and nowhere else; the only
+// memory shared across requests is the breaker, the statistics behind the
+// score, and the session table.
+//
+// # Session affinity
+//
+// The session table maps a session key to the endpoint that last served it
+// successfully, with the time of that success. An entry is live while its
+// idle time is below Config.SessionTTL (5 minutes): 4m59s after the last
+// success is a hit, 5m00s is not. A success (re)maps the session and
+// refreshes the entry; an endpoint failure on the mapped endpoint evicts
+// it; Remove drops the endpoint's sessions (lazily: they are forgotten the
+// next time they are looked up or reach the end of the list). Dead keys,
+// rate limits and client faults leave the mapping alone. The table is an LRU
+// bounded by Config.MaxSessions (1,000,000), ordered by last success, so
+// expired entries are purged from its tail as the table is used.
+//
+// With the sticky policy, a live mapping is used when its endpoint is
+// allowed right now, is not avoided (suspect, or failed in this request),
+// and its engine is not saturated (Health.Waiting > 0 and
+// Health.KVCacheUsage >= Config.SaturatedKVUsage, 0.98). Being busier than
+// other endpoints is deliberately not a reason to leave: queueing behind a
+// few requests costs far less than a cold prefill elsewhere, and moving the
+// session would also throw away its cache for the turns after this one. The
+// session leaves only when its endpoint is unavailable (disabled, draining,
+// breaker open, gone), truly saturated (at Capacity, or its engine queueing
+// with a full KV cache), or failed in this request. It is then placed by
+// score, and the next success re-maps it.
+//
+// Capacity is a hard limit for every policy and for affinity: a pick never
+// makes an endpoint exceed Capacity requests in flight. When every
+// candidate is full, Pick returns an *UnavailableError and the relay decides
+// whether to wait or fail.
+//
+// Choice.Affinity is AffinityHit when the chosen endpoint is the session's
+// live mapped endpoint (by affinity or because the score chose it anyway),
+// AffinityMiss when the request has a session key but went elsewhere or
+// had no live mapping (a new or expired session), and AffinityNone when the
+// request has no session key. The comparison policies report it the same
+// way.
+//
+// # Score
+//
+// An endpoint that has been sent fewer than Config.ColdStartSamples (20)
+// requests scores its weight alone. Requests are counted when picked, not
+// when reported, so a burst of new sessions cannot pile onto a new
+// endpoint beyond that many before its load counts. After that:
+//
+//	score = weight × successRate × loadFactor / latencyFactor
+//
+// successRate is (s+1)/(s+f+1), where s and f are the endpoint's successes
+// and failures (endpoint failures and dead keys) decayed exponentially with
+// a half-life of Config.SuccessHalfLife (1 minute). It follows recent
+// behaviour rather than the lifetime average, and an endpoint that has been
+// idle (for instance while its breaker was open) drifts back towards 1, so
+// it recovers once healthy. Rate limits and client faults do not count: a
+// 429 is handled by the breaker, and a client's bad request says nothing
+// about the endpoint.
+//
+// loadFactor uses load = max(in flight, Health.Running) + Health.Waiting:
+// our own in-flight count is exact and immediate, gossip is late and
+// includes our requests, and the engine's queue is work ahead of ours. With
+// a capacity, loadFactor = max(1 - load/Capacity, 0.01), the free share of
+// the endpoint; without one, 1/(1+load). It is then multiplied by
+// (1 - KVCacheUsage/2), so an engine whose cache is full receives fewer new
+// sessions (each would evict someone else's prefix). Because the in-flight
+// count rises at the moment of the pick, consecutive new sessions spread
+// over endpoints instead of herding onto the current best.
+//
+// latencyFactor = 1 + ewma/Config.LatencyScale (1 second), where ewma is
+// the moving average ema = (1-a)·ema + a·sample with a = Config.EWMAAlpha
+// (0.3), initialised by the first sample. A gentle divisor rather than the
+// raw latency: measured latency mostly reflects each endpoint's mix of
+// cache hits and misses, and raw ratios would swing placement far more than
+// real speed differences justify. Samples come from successes; an endpoint
+// failure contributes its latency only when it is above the average (a
+// timeout is evidence of slowness; a fast error is no evidence of speed).
+// An endpoint without samples has latencyFactor 1.
+//
+// Ties (scores within a relative 1e-9, which includes all endpoints of equal
+// weight during cold start) go to the endpoint with fewer requests in
+// flight, then uniformly at random (seeded by Config.Seed).
+//
+// # Circuit breaker
+//
+// Each endpoint has a breaker: closed, open or half-open. A closed breaker
+// opens after Config.FailureThreshold (5) consecutive endpoint failures, or
+// when endpoint failures make up at least Config.FailureRate (0.5) of the
+// decayed window of successes and endpoint failures once that window holds
+// Config.FailureRateMinSamples (10, never less than 2) outcomes; so the rate
+// rule never fires on a first request. An open breaker admits nothing for
+// Config.Cooldown (30 seconds), then turns half-open and admits at most
+// Config.HalfOpenProbes (3) requests at a time. A failed probe re-opens it
+// with a fresh cooldown; Config.HalfOpenProbes successful probes in a row
+// close it and clear its failure window.
+//
+// A 429 opens the breaker at once for the upstream's Retry-After (capped at
+// Config.MaxRetryAfter, 10 minutes) or Config.RateLimitCooldown (1 minute)
+// when none was given; a 503 opens it at once for Config.Cooldown. When a
+// breaker is already open, the later deadline wins. Reports of requests
+// picked before the breaker last changed state do not move it (except 429
+// and 503, which speak for the endpoint's present state), so a burst of
+// late failures cannot re-open a breaker that probes just closed. Dead keys
+// and client faults never touch the breaker; they only free a probe slot.
+//
+// # Outcome classes
+//
+// See Classify: 2xx success; 401/403 dead key; 429 rate limited; 5xx,
+// timeouts and connection errors are endpoint failures; other 4xx, and the
+// client cancelling, are client faults, which count against nothing and are
+// not retried.
+//
+// # Health
+//
+// Draining endpoints get no new requests, including a session's
+// follow-ups; suspect ones are avoided unless nothing else is allowed.
+// Running, Waiting and KVCacheUsage feed the load factor and the saturation
+// rule above. Health for an unknown endpoint is ignored.
+//
+// # Comparison policies
+//
+// Config.Policy selects the sticky policy (the default) or one of four
+// policies that exist to be measured against it. They share everything
+// above except affinity and scoring: the same exclusions, avoidance,
+// breaker, capacity and in-flight accounting, and the same session table
+// (so they report hit and miss), but they choose differently.
+// PolicyRoundRobin takes the next admitted endpoint in ID order after a
+// per-model cursor; PolicyRandom a uniformly random one; PolicyLeastLoaded
+// the one with the fewest requests in flight (random among ties);
+// PolicyConsistentHash hashes the session key (FNV-1a) onto a ring of
+// Config.VirtualNodes points per unit of weight (100) and walks clockwise to
+// the first admitted endpoint, choosing at random when there is no key.
 package scheduler

@@ -1,0 +1,392 @@
+package scheduler
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+)
+
+// Request is what the scheduler needs to know about a request.
+type Request struct {
+	// Model is the requested model name.
+	Model string
+	// SessionKey identifies the conversation; empty means none.
+	SessionKey string
+}
+
+// Affinity says how a pick related to the session's previous endpoint. The
+// zero value is AffinityNone.
+type Affinity uint8
+
+const (
+	// AffinityNone: the request carried no session key.
+	AffinityNone Affinity = iota
+	// AffinityHit: the session's live mapped endpoint was chosen.
+	AffinityHit
+	// AffinityMiss: the request had a session key but no live mapping, or
+	// its mapped endpoint was not chosen.
+	AffinityMiss
+)
+
+// String returns "none", "hit" or "miss".
+func (a Affinity) String() string {
+	switch a {
+	case AffinityHit:
+		return "hit"
+	case AffinityMiss:
+		return "miss"
+	}
+	return "none"
+}
+
+// Choice is the result of a successful Pick. Hand it back to Report exactly
+// once, whatever happens to the request.
+type Choice struct {
+	// EndpointID is the chosen endpoint's ID.
+	EndpointID string
+	// Affinity says whether the session's previous endpoint was chosen.
+	Affinity Affinity
+	// Probe is true when the choice holds one of a half-open breaker's
+	// probe slots.
+	Probe bool
+
+	seq uint64
+}
+
+// ErrUnknownModel is returned by Pick when no registered endpoint lists the
+// model at all (HTTP 404).
+var ErrUnknownModel = errors.New("scheduler: unknown model")
+
+// ErrUnavailable matches (with errors.Is) every *UnavailableError.
+var ErrUnavailable = errors.New("scheduler: no endpoint available")
+
+// UnavailableError is returned by Pick when endpoints serve the model but
+// none may take the request now.
+type UnavailableError struct {
+	// Model is the requested model.
+	Model string
+	// RateLimited is true when every candidate is rate limited (HTTP 429);
+	// otherwise the condition is an HTTP 503.
+	RateLimited bool
+	// RetryAfter is the time until the first open breaker among the
+	// candidates admits probes again; 0 when unknown.
+	RetryAfter time.Duration
+}
+
+// Error describes the condition.
+func (e *UnavailableError) Error() string {
+	what := "no endpoint available"
+	if e.RateLimited {
+		what = "every endpoint is rate limited"
+	}
+	if e.RetryAfter > 0 {
+		return fmt.Sprintf("scheduler: model %q: %s (retry after %v)", e.Model, what, e.RetryAfter)
+	}
+	return fmt.Sprintf("scheduler: model %q: %s", e.Model, what)
+}
+
+// Is makes errors.Is(err, ErrUnavailable) true.
+func (e *UnavailableError) Is(target error) bool { return target == ErrUnavailable }
+
+// Exclusion is why an attempt may not use an endpoint at all, reported in
+// the order the checks run. The zero value ExclusionNone means no
+// exclusion applies (the endpoint may still be unavailable right now, e.g.
+// its breaker is open).
+type Exclusion uint8
+
+const (
+	// ExclusionNone: not excluded.
+	ExclusionNone Exclusion = iota
+	// ExclusionDisabled: the endpoint is disabled (or unknown).
+	ExclusionDisabled
+	// ExclusionDeadKey: it answered 401/403 earlier in this request.
+	ExclusionDeadKey
+	// ExclusionUsedKey: it answered 429 earlier in this request.
+	ExclusionUsedKey
+	// ExclusionModel: it does not serve the requested model.
+	ExclusionModel
+)
+
+// String returns a short lower-case name.
+func (x Exclusion) String() string {
+	return [...]string{"none", "disabled", "dead-key", "used-key", "model"}[min(int(x), 4)]
+}
+
+// Attempt is the per-request state: the exclusions learned from earlier
+// tries of this request and its picks not yet reported. Exclusions never
+// leave the attempt. An Attempt is safe for concurrent use.
+type Attempt struct {
+	s   *Scheduler
+	req Request
+
+	// Guarded by s.mu.
+	dead, used, failed []string // endpoint IDs
+	pending            []pending
+	pendingBuf         [2]pending
+}
+
+type pending struct {
+	seq   uint64
+	e     *endpoint
+	gen   uint64 // breaker generation at pick time
+	probe bool
+}
+
+// Begin starts the scheduling of one request.
+func (s *Scheduler) Begin(r Request) *Attempt {
+	return &Attempt{s: s, req: r}
+}
+
+// Request returns the request the attempt was begun with.
+func (a *Attempt) Request() Request { return a.req }
+
+// Excluded reports the first exclusion, in check order (disabled, dead
+// key, used key, model), that keeps the attempt from the endpoint id.
+func (a *Attempt) Excluded(id string) Exclusion {
+	a.s.mu.Lock()
+	defer a.s.mu.Unlock()
+	e := a.s.endpoints[id]
+	if e == nil {
+		return ExclusionDisabled
+	}
+	return a.exclusion(e, true)
+}
+
+// exclusion runs the per-request checks in order. checkModel is false for
+// endpoints taken from the model's group.
+func (a *Attempt) exclusion(e *endpoint, checkModel bool) Exclusion {
+	switch {
+	case e.disabled || e.removed:
+		return ExclusionDisabled
+	case len(a.dead) > 0 && slices.Contains(a.dead, e.id):
+		return ExclusionDeadKey
+	case len(a.used) > 0 && slices.Contains(a.used, e.id):
+		return ExclusionUsedKey
+	case checkModel && !e.serves(a.req.Model):
+		return ExclusionModel
+	}
+	return ExclusionNone
+}
+
+// admit reports whether e may take this request now: not excluded, not
+// draining, its breaker admits it and it has a free slot. avoid is true
+// for endpoints to use only when no other is admitted: suspects and
+// endpoints that failed earlier in this request.
+func (a *Attempt) admit(e *endpoint, now int64, checkModel bool) (ok, avoid bool) {
+	if a.exclusion(e, checkModel) != ExclusionNone || e.health.Draining {
+		return false, false
+	}
+	switch e.breakerState(now) {
+	case BreakerOpen:
+		return false, false
+	case BreakerHalfOpen:
+		if e.probes >= a.s.cfg.HalfOpenProbes {
+			return false, false
+		}
+	}
+	if e.capacity > 0 && e.inFlight >= e.capacity {
+		return false, false
+	}
+	avoid = e.health.Suspect || (len(a.failed) > 0 && slices.Contains(a.failed, e.id))
+	return true, avoid
+}
+
+// Pick chooses an endpoint for the request and reserves a slot on it (and
+// a probe slot if its breaker is half-open). Every returned Choice must be
+// passed to Report. Errors: ErrUnknownModel, or an *UnavailableError.
+func (a *Attempt) Pick() (Choice, error) {
+	s := a.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.now()
+	s.sessions.purge(now)
+	g := s.groups[a.req.Model]
+	if g == nil {
+		return Choice{}, fmt.Errorf("%w: %q", ErrUnknownModel, a.req.Model)
+	}
+	var mapped *endpoint
+	if a.req.SessionKey != "" {
+		mapped = s.sessions.lookup(a.req.SessionKey, now)
+	}
+	var e *endpoint
+	switch s.cfg.Policy {
+	case PolicySticky:
+		if mapped != nil {
+			if ok, avoid := a.admit(mapped, now, true); ok && !avoid && !s.engineSaturated(mapped) {
+				e = mapped
+			}
+		}
+		if e == nil {
+			e = a.pickScored(g, now)
+		}
+	case PolicyRoundRobin:
+		e = a.pickRoundRobin(g, now)
+	case PolicyRandom:
+		e = a.pickRandom(g, now)
+	case PolicyLeastLoaded:
+		e = a.pickLeastLoaded(g, now)
+	case PolicyConsistentHash:
+		e = a.pickHash(g, now)
+	}
+	if e == nil {
+		return Choice{}, a.unavailable(g, now)
+	}
+
+	c := Choice{EndpointID: e.id, Affinity: AffinityNone}
+	if a.req.SessionKey != "" {
+		c.Affinity = AffinityMiss
+		if e == mapped {
+			c.Affinity = AffinityHit
+		}
+	}
+	e.inFlight++
+	e.requests++
+	if e.br == BreakerHalfOpen {
+		e.probes++
+		c.Probe = true
+	}
+	s.seq++
+	c.seq = s.seq
+	if a.pending == nil {
+		a.pending = a.pendingBuf[:0]
+	}
+	a.pending = append(a.pending, pending{seq: c.seq, e: e, gen: e.brGen, probe: c.Probe})
+	return c, nil
+}
+
+// unavailable builds the error for a pick that found nothing.
+func (a *Attempt) unavailable(g *group, now int64) error {
+	err := &UnavailableError{Model: a.req.Model, RateLimited: true}
+	candidates := 0
+	var retry int64 = -1
+	for _, e := range g.eps {
+		if e.disabled {
+			continue
+		}
+		candidates++
+		limited := false
+		if e.breakerState(now) == BreakerOpen {
+			if d := e.openUntil - now; retry < 0 || d < retry {
+				retry = d
+			}
+			limited = e.openForLimit
+		}
+		if slices.Contains(a.used, e.id) {
+			limited = true
+		}
+		if !limited {
+			err.RateLimited = false
+		}
+	}
+	if candidates == 0 {
+		err.RateLimited = false
+	}
+	if retry > 0 {
+		err.RetryAfter = time.Duration(retry)
+	}
+	return err
+}
+
+// Report records how a picked request ended, releases its slot and returns
+// the outcome's class. It updates the endpoint's latency average, success
+// rate and breaker, the session's affinity, and this attempt's exclusions.
+// A Choice not from this attempt, or reported twice, only gets classified.
+func (a *Attempt) Report(c Choice, o Outcome) Class {
+	class := Classify(o.Status, o.Err)
+	s := a.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	i := slices.IndexFunc(a.pending, func(p pending) bool { return p.seq == c.seq })
+	if c.seq == 0 || i < 0 {
+		return class
+	}
+	p := a.pending[i]
+	a.pending = slices.Delete(a.pending, i, i+1)
+	e := p.e
+	now := s.now()
+	e.inFlight--
+	e.age(now, s.halfLife)
+	current := p.gen == e.brGen
+	if p.probe && current && e.br == BreakerHalfOpen {
+		e.probes--
+	}
+	switch class {
+	case ClassSuccess:
+		e.successes++
+		e.good++
+		e.brOK++
+		e.consecFails = 0
+		s.observeLatency(e, o.Latency)
+		if p.probe && current && e.br == BreakerHalfOpen {
+			e.probeSuccess++
+			if e.probeSuccess >= s.cfg.HalfOpenProbes {
+				e.close()
+			}
+		}
+		if a.req.SessionKey != "" && !e.removed {
+			s.sessions.touch(a.req.SessionKey, e, now)
+		}
+	case ClassDeadKey:
+		e.deadKeys++
+		e.bad++
+		a.dead = append(a.dead, e.id)
+	case ClassRateLimited:
+		e.rateLimited++
+		a.used = append(a.used, e.id)
+		d := o.RetryAfter
+		if d <= 0 {
+			d = s.cfg.RateLimitCooldown
+		}
+		e.open(now, min(d, s.cfg.MaxRetryAfter), true)
+	case ClassEndpointFailure:
+		e.failures++
+		e.bad++
+		e.brBad++
+		e.consecFails++
+		a.failed = append(a.failed, e.id)
+		if o.Latency > 0 && (!e.hasEWMA || float64(o.Latency) > e.ewma) {
+			// A timeout is evidence of slowness; a fast error is no
+			// evidence of speed.
+			s.observeLatency(e, o.Latency)
+		}
+		if a.req.SessionKey != "" {
+			s.sessions.evictIf(a.req.SessionKey, e)
+		}
+		switch {
+		case o.Err == nil && o.Status == 503:
+			e.open(now, s.cfg.Cooldown, false)
+		case !current:
+			// Picked before the breaker last changed state: stale news.
+		case e.br == BreakerHalfOpen && p.probe:
+			e.open(now, s.cfg.Cooldown, false)
+		case e.br == BreakerClosed && s.shouldTrip(e):
+			e.open(now, s.cfg.Cooldown, false)
+		}
+	case ClassClientFault:
+		e.clientFaults++
+	}
+	return class
+}
+
+// shouldTrip applies the closed breaker's two rules.
+func (s *Scheduler) shouldTrip(e *endpoint) bool {
+	if s.cfg.FailureThreshold > 0 && e.consecFails >= s.cfg.FailureThreshold {
+		return true
+	}
+	n := e.brOK + e.brBad
+	return n >= s.cfg.FailureRateMinSamples && e.brBad >= s.cfg.FailureRate*n
+}
+
+func (s *Scheduler) observeLatency(e *endpoint, d time.Duration) {
+	if d <= 0 {
+		return
+	}
+	x := float64(d)
+	if !e.hasEWMA {
+		e.ewma, e.hasEWMA = x, true
+		return
+	}
+	a := s.cfg.EWMAAlpha
+	e.ewma = (1-a)*e.ewma + a*x
+}

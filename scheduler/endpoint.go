@@ -1,0 +1,263 @@
+package scheduler
+
+import (
+	"math"
+	"slices"
+	"time"
+)
+
+// Endpoint describes one agent and the models it serves.
+type Endpoint struct {
+	// ID is the stable key of the endpoint (the agent's name). Upsert
+	// ignores an endpoint with an empty ID.
+	ID string
+	// Models lists the model names the endpoint serves.
+	Models []string
+	// Weight is the static priority; 0 (or a negative or non-finite value)
+	// means 1.
+	Weight float64
+	// Capacity is the maximum number of concurrent requests; 0 (or
+	// negative) means unlimited.
+	Capacity int
+	// Disabled takes the endpoint out of service: it is never picked.
+	Disabled bool
+}
+
+// Health is what gossip and the agent report about an endpoint. The zero
+// value means healthy with no engine data.
+type Health struct {
+	// Suspect endpoints are picked only when no other endpoint is allowed.
+	Suspect bool
+	// Draining endpoints get no new requests, not even a session's
+	// follow-ups; requests in flight finish normally.
+	Draining bool
+	// Running and Waiting are the engine's running and queued requests.
+	Running, Waiting int
+	// KVCacheUsage is the engine's KV-cache usage, 0..1.
+	KVCacheUsage float64
+}
+
+// BreakerState is the state of an endpoint's circuit breaker. The zero
+// value is BreakerClosed.
+type BreakerState uint8
+
+const (
+	// BreakerClosed admits requests normally.
+	BreakerClosed BreakerState = iota
+	// BreakerOpen admits nothing until its cooldown ends.
+	BreakerOpen
+	// BreakerHalfOpen admits at most Config.HalfOpenProbes requests at a time.
+	BreakerHalfOpen
+)
+
+// String returns "closed", "open" or "half-open".
+func (b BreakerState) String() string {
+	switch b {
+	case BreakerClosed:
+		return "closed"
+	case BreakerOpen:
+		return "open"
+	case BreakerHalfOpen:
+		return "half-open"
+	}
+	return "unknown"
+}
+
+// EndpointStatus is a point-in-time view of one endpoint, for metrics and
+// debugging.
+type EndpointStatus struct {
+	ID       string
+	Models   []string
+	Weight   float64
+	Capacity int
+	Disabled bool
+	Health   Health
+
+	// InFlight is the number of picked, not yet reported requests; Probes
+	// is how many of them are half-open probes.
+	InFlight, Probes int
+	// Requests counts every pick; it ends the cold start.
+	Requests uint64
+	// Lifetime counts of reported outcomes by class.
+	Successes, DeadKeys, RateLimited, Failures, ClientFaults uint64
+	// SuccessRate is the decayed success rate used in the score.
+	SuccessRate float64
+	// EWMALatency is the moving average latency; 0 before the first sample.
+	EWMALatency time.Duration
+	// Breaker is the breaker state; BreakerUntil is when an open breaker
+	// turns half-open (zero when not open).
+	Breaker      BreakerState
+	BreakerUntil time.Time
+	// ColdStart is true while Requests < Config.ColdStartSamples.
+	ColdStart bool
+	// Score is the sticky policy's score right now.
+	Score float64
+}
+
+// endpoint is the scheduler's state for one Endpoint. All fields are
+// guarded by Scheduler.mu. Times are nanoseconds since Scheduler.epoch.
+type endpoint struct {
+	id       string
+	models   []string // sorted, no duplicates
+	weight   float64
+	capacity int
+	disabled bool
+	health   Health
+	removed  bool // set by Remove; pending reports still land here harmlessly
+
+	inFlight int
+	probes   int // half-open probes in flight in the current breaker phase
+
+	requests                                                 uint64
+	successes, deadKeys, rateLimited, failures, clientFaults uint64
+
+	// Decayed counts, all decayed together to decayAt.
+	decayAt     int64
+	good, bad   float64 // success rate: successes vs failures and dead keys
+	brOK, brBad float64 // failure-rate rule: successes vs endpoint failures
+
+	ewma        float64 // nanoseconds
+	hasEWMA     bool
+	consecFails int
+
+	br            BreakerState
+	brGen         uint64 // bumped on every breaker transition
+	openUntil     int64
+	openForLimit  bool // the breaker was opened by a 429
+	probeSuccess  int  // successful probes in the current half-open phase
+}
+
+func (e *endpoint) serves(model string) bool {
+	_, ok := slices.BinarySearch(e.models, model)
+	return ok
+}
+
+// decayFactor returns the multiplier that ages the decayed counts to now.
+func decayFactor(from, now int64, halfLife float64) float64 {
+	if now <= from {
+		return 1
+	}
+	return math.Exp2(-float64(now-from) / halfLife)
+}
+
+// age applies decay to the decayed counts up to now.
+func (e *endpoint) age(now int64, halfLife float64) {
+	if now <= e.decayAt {
+		return
+	}
+	f := decayFactor(e.decayAt, now, halfLife)
+	e.good *= f
+	e.bad *= f
+	e.brOK *= f
+	e.brBad *= f
+	e.decayAt = now
+}
+
+// successRate is the Laplace-smoothed decayed success rate: one imaginary
+// success keeps a fresh or fully decayed endpoint at 1.
+func (e *endpoint) successRate(now int64, halfLife float64) float64 {
+	f := decayFactor(e.decayAt, now, halfLife)
+	return (e.good*f + 1) / ((e.good+e.bad)*f + 1)
+}
+
+// breakerState returns the breaker state at now, turning an open breaker
+// half-open once its cooldown has passed.
+func (e *endpoint) breakerState(now int64) BreakerState {
+	if e.br == BreakerOpen && now >= e.openUntil {
+		e.br = BreakerHalfOpen
+		e.brGen++
+		e.probes = 0
+		e.probeSuccess = 0
+	}
+	return e.br
+}
+
+// open opens the breaker until now+d. If it is already open, the later of
+// the two deadlines wins.
+func (e *endpoint) open(now int64, d time.Duration, rateLimit bool) {
+	until := now + int64(d)
+	if e.br == BreakerOpen {
+		if until > e.openUntil {
+			e.openUntil = until
+			e.openForLimit = rateLimit
+		}
+		return
+	}
+	e.br = BreakerOpen
+	e.brGen++
+	e.openUntil = until
+	e.openForLimit = rateLimit
+	e.probes = 0
+	e.probeSuccess = 0
+}
+
+// close closes the breaker and forgets the failures that opened it.
+func (e *endpoint) close() {
+	e.br = BreakerClosed
+	e.brGen++
+	e.probes = 0
+	e.probeSuccess = 0
+	e.consecFails = 0
+	e.brOK, e.brBad = 0, 0
+}
+
+// load is the endpoint's busyness: the larger of our own in-flight count and
+// the engine's running requests (gossip lags, and the engine's count
+// includes ours), plus the engine's queue.
+func (e *endpoint) load() int {
+	return max(e.inFlight, e.health.Running) + max(e.health.Waiting, 0)
+}
+
+// minLoadFactor keeps a full endpoint's score positive, so ordering among
+// full endpoints still follows the other factors.
+const minLoadFactor = 0.01
+
+// score is the sticky policy's score; see the package doc.
+func (s *Scheduler) score(e *endpoint, now int64) float64 {
+	if e.requests < s.coldStart {
+		return e.weight
+	}
+	sr := e.successRate(now, s.halfLife)
+	load := float64(e.load())
+	var lf float64
+	if e.capacity > 0 {
+		lf = max(1-load/float64(e.capacity), minLoadFactor)
+	} else {
+		lf = 1 / (1 + load)
+	}
+	lf *= 1 - e.health.KVCacheUsage/2
+	lat := 1.0
+	if e.hasEWMA {
+		lat += e.ewma / s.latScale
+	}
+	return e.weight * sr * lf / lat
+}
+
+// engineSaturated reports whether the engine says it cannot take more work
+// without hurting everyone: it is queueing and its KV cache is full.
+func (s *Scheduler) engineSaturated(e *endpoint) bool {
+	return e.health.Waiting > 0 && e.health.KVCacheUsage >= s.cfg.SaturatedKVUsage
+}
+
+func normalizeEndpoint(ep Endpoint) (models []string, weight float64, capacity int) {
+	models = slices.Clone(ep.Models)
+	models = slices.DeleteFunc(models, func(m string) bool { return m == "" })
+	slices.Sort(models)
+	models = slices.Compact(models)
+	weight = ep.Weight
+	if !(weight > 0) || math.IsInf(weight, 0) {
+		weight = 1
+	}
+	capacity = max(ep.Capacity, 0)
+	return models, weight, capacity
+}
+
+func normalizeHealth(h Health) Health {
+	h.Running = max(h.Running, 0)
+	h.Waiting = max(h.Waiting, 0)
+	if !(h.KVCacheUsage > 0) { // also catches NaN
+		h.KVCacheUsage = 0
+	}
+	h.KVCacheUsage = min(h.KVCacheUsage, 1)
+	return h
+}

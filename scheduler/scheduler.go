@@ -1,0 +1,232 @@
+package scheduler
+
+import (
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"time"
+)
+
+// Scheduler chooses endpoints for requests. It is safe for concurrent use
+// by many goroutines; it starts none and does no I/O.
+type Scheduler struct {
+	cfg   Config
+	clock Clock
+	epoch time.Time // times inside are nanoseconds since epoch
+
+	// Derived from cfg, for the hot path.
+	coldStart uint64
+	halfLife  float64 // ns
+	latScale  float64 // ns
+
+	mu        sync.Mutex // guards the fields below and every endpoint's state
+	endpoints map[string]*endpoint
+	groups    map[string]*group // by model
+	sessions  *sessionTable
+	rng       *rand.Rand
+	seq       uint64 // numbers choices, so a Report is matched to its Pick
+}
+
+// group is the endpoints serving one model, sorted by ID.
+type group struct {
+	eps  []*endpoint
+	rr   uint64 // next round-robin start
+	ring []ringPoint
+	// ringDirty is set when eps or a weight changes; the ring is rebuilt on
+	// the next consistent-hash pick.
+	ringDirty bool
+}
+
+// New returns a Scheduler for cfg, whose zero fields take their defaults.
+func New(cfg Config) (*Scheduler, error) {
+	cfg = cfg.populate()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	seed := uint64(cfg.Seed)
+	if seed == 0 {
+		seed = rand.Uint64()
+	}
+	s := &Scheduler{
+		cfg:       cfg,
+		clock:     cfg.Clock,
+		epoch:     cfg.Clock.Now(),
+		coldStart: uint64(cfg.ColdStartSamples),
+		halfLife:  float64(cfg.SuccessHalfLife),
+		latScale:  float64(cfg.LatencyScale),
+		endpoints: make(map[string]*endpoint),
+		groups:    make(map[string]*group),
+		sessions:  newSessionTable(int64(cfg.SessionTTL), cfg.MaxSessions),
+		rng:       rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)),
+	}
+	return s, nil
+}
+
+// Config returns the scheduler's configuration with defaults filled in.
+func (s *Scheduler) Config() Config { return s.cfg }
+
+// now returns the clock's time as nanoseconds since s.epoch.
+func (s *Scheduler) now() int64 { return int64(s.clock.Now().Sub(s.epoch)) }
+
+func (s *Scheduler) timeAt(ns int64) time.Time { return s.epoch.Add(time.Duration(ns)) }
+
+// Upsert adds an endpoint or updates the one with the same ID, keeping its
+// statistics, breaker, health and sessions. An empty ID is ignored.
+func (s *Scheduler) Upsert(ep Endpoint) {
+	if ep.ID == "" {
+		return
+	}
+	models, weight, capacity := normalizeEndpoint(ep)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.endpoints[ep.ID]
+	if e == nil {
+		e = &endpoint{id: ep.ID, decayAt: s.now()}
+		s.endpoints[ep.ID] = e
+	} else {
+		for _, m := range e.models {
+			if _, ok := slices.BinarySearch(models, m); !ok {
+				s.leave(m, e)
+			}
+		}
+	}
+	old := e.models
+	weightChanged := e.weight != weight
+	e.models, e.weight, e.capacity, e.disabled = models, weight, capacity, ep.Disabled
+	for _, m := range models {
+		if _, ok := slices.BinarySearch(old, m); !ok {
+			s.join(m, e)
+		} else if weightChanged {
+			s.groups[m].ringDirty = true
+		}
+	}
+}
+
+func (s *Scheduler) join(model string, e *endpoint) {
+	g := s.groups[model]
+	if g == nil {
+		g = &group{}
+		s.groups[model] = g
+	}
+	i, _ := slices.BinarySearchFunc(g.eps, e.id, func(x *endpoint, id string) int {
+		return cmpString(x.id, id)
+	})
+	g.eps = slices.Insert(g.eps, i, e)
+	g.ringDirty = true
+}
+
+func (s *Scheduler) leave(model string, e *endpoint) {
+	g := s.groups[model]
+	if g == nil {
+		return
+	}
+	g.eps = slices.DeleteFunc(g.eps, func(x *endpoint) bool { return x == e })
+	g.ringDirty = true
+	if len(g.eps) == 0 {
+		delete(s.groups, model)
+	}
+}
+
+func cmpString(a, b string) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// Remove drops an endpoint, its statistics and the sessions mapped to it.
+// Reports for its requests still in flight are accepted and ignored.
+func (s *Scheduler) Remove(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.endpoints[id]
+	if e == nil {
+		return
+	}
+	for _, m := range e.models {
+		s.leave(m, e)
+	}
+	delete(s.endpoints, id)
+	// Sessions notice the flag on their next lookup or purge; a scan of a
+	// million sessions under the lock is what this avoids.
+	e.removed = true
+}
+
+// SetHealth records what gossip says about an endpoint. Health for an
+// unknown ID is ignored: the registry calls Upsert first.
+func (s *Scheduler) SetHealth(id string, h Health) {
+	h = normalizeHealth(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if e := s.endpoints[id]; e != nil {
+		e.health = h
+	}
+}
+
+// Models returns the sorted union of the models of routable endpoints
+// (neither disabled nor draining).
+func (s *Scheduler) Models() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []string
+	for m, g := range s.groups {
+		for _, e := range g.eps {
+			if !e.disabled && !e.health.Draining {
+				out = append(out, m)
+				break
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Sessions returns the number of session mappings held, including expired
+// ones not yet purged.
+func (s *Scheduler) Sessions() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.sessions.len()
+}
+
+// Snapshot returns the state of every endpoint, sorted by ID.
+func (s *Scheduler) Snapshot() []EndpointStatus {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.now()
+	out := make([]EndpointStatus, 0, len(s.endpoints))
+	for _, e := range s.endpoints {
+		st := EndpointStatus{
+			ID:           e.id,
+			Models:       slices.Clone(e.models),
+			Weight:       e.weight,
+			Capacity:     e.capacity,
+			Disabled:     e.disabled,
+			Health:       e.health,
+			InFlight:     e.inFlight,
+			Probes:       e.probes,
+			Requests:     e.requests,
+			Successes:    e.successes,
+			DeadKeys:     e.deadKeys,
+			RateLimited:  e.rateLimited,
+			Failures:     e.failures,
+			ClientFaults: e.clientFaults,
+			SuccessRate:  e.successRate(now, s.halfLife),
+			Breaker:      e.breakerState(now),
+			ColdStart:    e.requests < s.coldStart,
+			Score:        s.score(e, now),
+		}
+		if e.hasEWMA {
+			st.EWMALatency = time.Duration(e.ewma)
+		}
+		if st.Breaker == BreakerOpen {
+			st.BreakerUntil = s.timeAt(e.openUntil)
+		}
+		out = append(out, st)
+	}
+	slices.SortFunc(out, func(a, b EndpointStatus) int { return cmpString(a.ID, b.ID) })
+	return out
+}
