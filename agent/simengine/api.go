@@ -1,0 +1,223 @@
+package simengine
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"strings"
+)
+
+// kind says which OpenAI endpoint a request came from.
+type kind uint8
+
+const (
+	kindChat kind = iota
+	kindText
+)
+
+// genRequest is a parsed generation request.
+type genRequest struct {
+	kind      kind
+	model     string // as requested; "" means the default model
+	prompt    string // rendered prompt (empty when tokens came as ids)
+	tokens    []Token
+	maxTokens int // 0 means the server's default
+	stream    bool
+}
+
+type streamOptions struct {
+	IncludeUsage bool `json:"include_usage"`
+}
+
+type chatRequest struct {
+	Model               string          `json:"model"`
+	Messages            []chatMessage   `json:"messages"`
+	Stream              bool            `json:"stream"`
+	StreamOptions       *streamOptions  `json:"stream_options"`
+	MaxTokens           *int            `json:"max_tokens"`
+	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	N                   *int            `json:"n"`
+	PromptCacheKey      json.RawMessage `json:"prompt_cache_key"` // routing hint for relays; ignored here
+}
+
+type chatMessage struct {
+	Role    string          `json:"role"`
+	Content json.RawMessage `json:"content"`
+}
+
+type contentPart struct {
+	Type string `json:"type"`
+	Text string `json:"text"`
+}
+
+type completionRequest struct {
+	Model         string          `json:"model"`
+	Prompt        json.RawMessage `json:"prompt"`
+	Stream        bool            `json:"stream"`
+	StreamOptions *streamOptions  `json:"stream_options"`
+	MaxTokens     *int            `json:"max_tokens"`
+	N             *int            `json:"n"`
+}
+
+// decode unmarshals body into v, answering malformed JSON with a 400.
+func decode(body []byte, v any) error {
+	if err := json.Unmarshal(body, v); err != nil {
+		return badRequest("", "malformed JSON body: %v", err)
+	}
+	return nil
+}
+
+func checkCommon(maxTokens *int, n *int) (int, error) {
+	if n != nil && *n != 1 {
+		return 0, badRequest("n", "n must be 1")
+	}
+	if maxTokens == nil {
+		return 0, nil
+	}
+	if *maxTokens < 1 {
+		return 0, badRequest("max_tokens", "max_tokens must be at least 1, got %d", *maxTokens)
+	}
+	return *maxTokens, nil
+}
+
+// parseChat parses a /v1/chat/completions body and renders its prompt.
+func parseChat(body []byte) (*genRequest, error) {
+	var cr chatRequest
+	if err := decode(body, &cr); err != nil {
+		return nil, err
+	}
+	limit := cr.MaxTokens
+	if cr.MaxCompletionTokens != nil {
+		limit = cr.MaxCompletionTokens
+	}
+	maxTokens, err := checkCommon(limit, cr.N)
+	if err != nil {
+		return nil, err
+	}
+	if len(cr.Messages) == 0 {
+		return nil, badRequest("messages", "messages must not be empty")
+	}
+	var b strings.Builder
+	for i, m := range cr.Messages {
+		if m.Role == "" || strings.ContainsAny(m.Role, "\n<|>") {
+			return nil, badRequest(fmt.Sprintf("messages[%d].role", i), "invalid role %q", m.Role)
+		}
+		text, err := messageText(m.Content)
+		if err != nil {
+			return nil, badRequest(fmt.Sprintf("messages[%d].content", i), "%v", err)
+		}
+		renderMessage(&b, m.Role, text)
+	}
+	b.WriteString(chatGenerationPrompt)
+	prompt := b.String()
+	return &genRequest{kind: kindChat, model: cr.Model, prompt: prompt, tokens: Tokenize(nil, prompt),
+		maxTokens: maxTokens, stream: cr.Stream}, nil
+}
+
+// chatGenerationPrompt opens the assistant's turn.
+const chatGenerationPrompt = "<|im_start|>assistant\n"
+
+// renderMessage writes one message in the ChatML template. Earlier turns
+// render the same way in every later request, which is what lets a
+// follow-up turn hit the cache.
+func renderMessage(b *strings.Builder, role, text string) {
+	b.WriteString("<|im_start|>")
+	b.WriteString(role)
+	b.WriteString("\n")
+	b.WriteString(text)
+	b.WriteString("<|im_end|>\n")
+}
+
+// messageText returns a message's text: a string, null, or text parts.
+func messageText(raw json.RawMessage) (string, error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
+		return "", nil
+	}
+	if raw[0] == '"' {
+		var s string
+		err := json.Unmarshal(raw, &s)
+		return s, err
+	}
+	var parts []contentPart
+	if err := json.Unmarshal(raw, &parts); err != nil {
+		return "", fmt.Errorf("content must be a string or an array of text parts")
+	}
+	var b strings.Builder
+	for _, p := range parts {
+		if p.Type != "text" && p.Type != "input_text" {
+			return "", fmt.Errorf("content part type %q is not supported", p.Type)
+		}
+		b.WriteString(p.Text)
+	}
+	return b.String(), nil
+}
+
+// parseCompletion parses a /v1/completions body. The prompt is a string, an
+// array holding one string, or an array of token ids (used as they are).
+func parseCompletion(body []byte) (*genRequest, error) {
+	var cr completionRequest
+	if err := decode(body, &cr); err != nil {
+		return nil, err
+	}
+	maxTokens, err := checkCommon(cr.MaxTokens, cr.N)
+	if err != nil {
+		return nil, err
+	}
+	g := &genRequest{kind: kindText, model: cr.Model, maxTokens: maxTokens, stream: cr.Stream}
+	raw := bytes.TrimSpace(cr.Prompt)
+	var s string
+	var ss []string
+	var ids []int64
+	switch {
+	case len(raw) == 0 || bytes.Equal(raw, []byte("null")):
+		return nil, badRequest("prompt", "prompt is required")
+	case json.Unmarshal(raw, &s) == nil:
+		g.prompt = s
+	case json.Unmarshal(raw, &ss) == nil && len(ss) == 1:
+		g.prompt = ss[0]
+	case json.Unmarshal(raw, &ids) == nil && len(ids) > 0:
+		g.tokens = make([]Token, len(ids))
+		for i, id := range ids {
+			if id < 0 || id > 1<<32-1 {
+				return nil, badRequest("prompt", "token id %d out of range", id)
+			}
+			g.tokens[i] = Token(id)
+		}
+		return g, nil
+	default:
+		return nil, badRequest("prompt", "prompt must be a string, one string in an array, or an array of token ids")
+	}
+	g.tokens = Tokenize(nil, g.prompt)
+	if len(g.tokens) == 0 {
+		return nil, badRequest("prompt", "prompt is empty")
+	}
+	return g, nil
+}
+
+type embeddingRequest struct {
+	Model      string          `json:"model"`
+	Input      json.RawMessage `json:"input"`
+	Dimensions int             `json:"dimensions"`
+}
+
+// parseEmbedding returns the inputs of an /v1/embeddings body as texts.
+func parseEmbedding(body []byte) (*embeddingRequest, []string, error) {
+	var er embeddingRequest
+	if err := decode(body, &er); err != nil {
+		return nil, nil, err
+	}
+	if er.Dimensions < 0 || er.Dimensions > 4096 {
+		return nil, nil, badRequest("dimensions", "dimensions must be in 1..4096")
+	}
+	var s string
+	var ss []string
+	switch {
+	case json.Unmarshal(er.Input, &s) == nil:
+		ss = []string{s}
+	case json.Unmarshal(er.Input, &ss) == nil && len(ss) > 0:
+	default:
+		return nil, nil, badRequest("input", "input must be a string or an array of strings")
+	}
+	return &er, ss, nil
+}

@@ -1,0 +1,37 @@
+package simengine
+
+import "testing"
+
+func FuzzParseRequest(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}],"max_tokens":5,"stream":true}`,
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"max_completion_tokens":3}`,
+		`{"messages":[{"role":"assistant","content":null},{"role":"user","content":"x"}],"n":1}`,
+		`{"prompt":"Once upon","max_tokens":2}`,
+		`{"prompt":["one"]}`,
+		`{"prompt":[1,2,3,4294967295]}`,
+		`{"prompt":[-1]}`,
+		`{"messages":[{"role":"<|x|>","content":"x"}]}`,
+		`{`, `null`, `[]`, `{"prompt":null}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		for _, parse := range []func([]byte) (*genRequest, error){parseChat, parseCompletion} {
+			g, err := parse(body)
+			if err != nil {
+				if toAPIError(err).Status != 400 {
+					t.Fatalf("parse error maps to %d: %v", toAPIError(err).Status, err)
+				}
+				continue
+			}
+			if len(g.tokens) == 0 || g.maxTokens < 0 {
+				t.Fatalf("accepted unusable request %+v from %q", g, body)
+			}
+			if g.prompt != "" && CountTokens(g.prompt) != len(g.tokens) {
+				t.Fatalf("token count mismatch for %q", g.prompt)
+			}
+		}
+		_, _, _ = parseEmbedding(body)
+	})
+}
