@@ -344,7 +344,7 @@ func (e *Engine) Cancel(now time.Time, id uint64) bool {
 	case stateDecode:
 		heap.Remove(&e.decoding, s.heapIdx)
 		g := e.generated(s)
-		out := answerTokens(answerWords(e.cfg.Seed, e.answerKey(s), s.req.MaxTokens)[:g])
+		out := answerTokens(answerWords(e.cfg.Seed, e.answerKey(s), s.req.MaxTokens))[:g]
 		e.cache.touch(e.extendHashes(s, out))
 		e.stats.GenerationTokens += uint64(g)
 		e.running--

@@ -420,3 +420,24 @@ func BenchmarkTokenize2000(b *testing.B) {
 		toks = Tokenize(toks[:0], text)
 	}
 }
+
+func TestCancelDuringDecodeCachesPartialAnswer(t *testing.T) {
+	e := newTestEngine(t, EngineConfig{})
+	r := &Request{ID: 1, Tokens: seqTokens(0, 16), MaxTokens: 100}
+	if err := e.Submit(t0, r); err != nil {
+		t.Fatal(err)
+	}
+	now := t0
+	for g := 0; g != 16; g, _ = e.Generated(1) {
+		if g > 16 {
+			t.Fatal("stepped past 16 generated tokens")
+		}
+		now = now.Add(time.Millisecond)
+		e.Advance(now, nil)
+	}
+	e.Cancel(now, 1)
+	full := append(seqTokens(0, 16), e.Answer(r)[:16]...)
+	if got := e.Lookup(BlockHashes(nil, full, 16)); got != 32 {
+		t.Fatalf("after cancel, prompt plus 16 answer tokens: %d cached, want 32", got)
+	}
+}
