@@ -306,7 +306,7 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 	e := p.e
 	now := s.now()
 	e.inFlight--
-	e.age(now, s.halfLife)
+	w := 1 / s.decayNow(now) // one outcome, in stored units
 	current := p.gen == e.brGen
 	if p.probe && current && e.br == BreakerHalfOpen {
 		e.probes--
@@ -314,8 +314,8 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 	switch class {
 	case ClassSuccess:
 		e.successes++
-		e.good++
-		e.brOK++
+		e.good += w
+		e.brOK += w
 		e.consecFails = 0
 		s.observeLatency(e, o.Latency)
 		if p.probe && current && e.br == BreakerHalfOpen {
@@ -329,7 +329,7 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 		}
 	case ClassDeadKey:
 		e.deadKeys++
-		e.bad++
+		e.bad += w
 		a.dead = append(a.dead, e.id)
 	case ClassRateLimited:
 		e.rateLimited++
@@ -341,8 +341,8 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 		e.open(now, min(d, s.cfg.MaxRetryAfter), true)
 	case ClassEndpointFailure:
 		e.failures++
-		e.bad++
-		e.brBad++
+		e.bad += w
+		e.brBad += w
 		e.consecFails++
 		a.failed = append(a.failed, e.id)
 		if o.Latency > 0 && (!e.hasEWMA || float64(o.Latency) > e.ewma) {
@@ -360,7 +360,7 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 			// Picked before the breaker last changed state: stale news.
 		case e.br == BreakerHalfOpen && p.probe:
 			e.open(now, s.cfg.Cooldown, false)
-		case e.br == BreakerClosed && s.shouldTrip(e):
+		case e.br == BreakerClosed && s.shouldTrip(e, 1/w):
 			e.open(now, s.cfg.Cooldown, false)
 		}
 	case ClassClientFault:
@@ -369,13 +369,13 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 	return class
 }
 
-// shouldTrip applies the closed breaker's two rules.
-func (s *Scheduler) shouldTrip(e *endpoint) bool {
+// shouldTrip applies the closed breaker's two rules; f is decayNow's factor.
+func (s *Scheduler) shouldTrip(e *endpoint, f float64) bool {
 	if s.cfg.FailureThreshold > 0 && e.consecFails >= s.cfg.FailureThreshold {
 		return true
 	}
-	n := e.brOK + e.brBad
-	return n >= s.cfg.FailureRateMinSamples && e.brBad >= s.cfg.FailureRate*n
+	n := (e.brOK + e.brBad) * f
+	return n >= s.cfg.FailureRateMinSamples && e.brBad*f >= s.cfg.FailureRate*n
 }
 
 func (s *Scheduler) observeLatency(e *endpoint, d time.Duration) {

@@ -97,34 +97,32 @@ type EndpointStatus struct {
 // endpoint is the scheduler's state for one Endpoint. All fields are
 // guarded by Scheduler.mu. Times are nanoseconds since Scheduler.epoch.
 type endpoint struct {
-	id       string
-	models   []string // sorted, no duplicates
-	weight   float64
-	capacity int
-	disabled bool
-	health   Health
-	removed  bool // set by Remove; pending reports still land here harmlessly
+	// Read by every pick; kept together at the front for cache locality.
+	disabled  bool
+	removed   bool // set by Remove; pending reports still land here harmlessly
+	hasEWMA   bool
+	br        BreakerState
+	capacity  int
+	inFlight  int
+	probes    int // half-open probes in flight in the current breaker phase
+	requests  uint64
+	openUntil int64
+	weight    float64
+	ewma      float64 // nanoseconds
+	// Decayed counts, in units of Scheduler.decayBase (see decayNow).
+	good, bad float64 // success rate: successes vs failures and dead keys
+	health    Health
+	id        string
 
-	inFlight int
-	probes   int // half-open probes in flight in the current breaker phase
-
-	requests                                                 uint64
-	successes, deadKeys, rateLimited, failures, clientFaults uint64
-
-	// Decayed counts, all decayed together to decayAt.
-	decayAt     int64
-	good, bad   float64 // success rate: successes vs failures and dead keys
-	brOK, brBad float64 // failure-rate rule: successes vs endpoint failures
-
-	ewma        float64 // nanoseconds
-	hasEWMA     bool
+	models      []string // sorted, no duplicates
+	brOK, brBad float64  // failure-rate rule: successes vs endpoint failures
 	consecFails int
 
-	br            BreakerState
-	brGen         uint64 // bumped on every breaker transition
-	openUntil     int64
-	openForLimit  bool // the breaker was opened by a 429
-	probeSuccess  int  // successful probes in the current half-open phase
+	successes, deadKeys, rateLimited, failures, clientFaults uint64
+
+	brGen        uint64 // bumped on every breaker transition
+	openForLimit bool   // the breaker was opened by a 429
+	probeSuccess int    // successful probes in the current half-open phase
 }
 
 func (e *endpoint) serves(model string) bool {
@@ -132,31 +130,10 @@ func (e *endpoint) serves(model string) bool {
 	return ok
 }
 
-// decayFactor returns the multiplier that ages the decayed counts to now.
-func decayFactor(from, now int64, halfLife float64) float64 {
-	if now <= from {
-		return 1
-	}
-	return math.Exp2(-float64(now-from) / halfLife)
-}
-
-// age applies decay to the decayed counts up to now.
-func (e *endpoint) age(now int64, halfLife float64) {
-	if now <= e.decayAt {
-		return
-	}
-	f := decayFactor(e.decayAt, now, halfLife)
-	e.good *= f
-	e.bad *= f
-	e.brOK *= f
-	e.brBad *= f
-	e.decayAt = now
-}
-
 // successRate is the Laplace-smoothed decayed success rate: one imaginary
-// success keeps a fresh or fully decayed endpoint at 1.
-func (e *endpoint) successRate(now int64, halfLife float64) float64 {
-	f := decayFactor(e.decayAt, now, halfLife)
+// success keeps a fresh or fully decayed endpoint at 1. f is
+// Scheduler.decayNow's factor.
+func (e *endpoint) successRate(f float64) float64 {
 	return (e.good*f + 1) / ((e.good+e.bad)*f + 1)
 }
 
@@ -212,12 +189,13 @@ func (e *endpoint) load() int {
 // full endpoints still follows the other factors.
 const minLoadFactor = 0.01
 
-// score is the sticky policy's score; see the package doc.
-func (s *Scheduler) score(e *endpoint, now int64) float64 {
+// score is the sticky policy's score; see the package doc. f is
+// Scheduler.decayNow's factor.
+func (s *Scheduler) score(e *endpoint, f float64) float64 {
 	if e.requests < s.coldStart {
 		return e.weight
 	}
-	sr := e.successRate(now, s.halfLife)
+	sr := e.successRate(f)
 	load := float64(e.load())
 	var lf float64
 	if e.capacity > 0 {
@@ -228,7 +206,7 @@ func (s *Scheduler) score(e *endpoint, now int64) float64 {
 	lf *= 1 - e.health.KVCacheUsage/2
 	lat := 1.0
 	if e.hasEWMA {
-		lat += e.ewma / s.latScale
+		lat += e.ewma * s.invLatScale
 	}
 	return e.weight * sr * lf / lat
 }

@@ -62,10 +62,24 @@ func compareScores(a, b float64) int {
 // pickScored returns the admitted endpoint with the best sticky score.
 func (a *Attempt) pickScored(g *group, now int64) *endpoint {
 	sel := selector{s: a.s, byInFlight: true}
+	clean := len(a.dead)+len(a.used)+len(a.failed) == 0
+	f := a.s.decayNow(now)
 	for _, e := range g.eps {
-		if ok, avoid := a.admit(e, now, false); ok {
-			sel.offer(e, avoid, a.s.score(e, now))
+		// Fast path for the common case, equivalent to admit: a closed
+		// breaker, no exclusions in this attempt, a free slot.
+		ok, avoid := e.br == BreakerClosed && clean && !e.disabled && !e.removed &&
+			!e.health.Draining && (e.capacity == 0 || e.inFlight < e.capacity), e.health.Suspect
+		if !ok {
+			ok, avoid = a.admit(e, now, false)
 		}
+		if !ok {
+			continue
+		}
+		score := a.s.score(e, f)
+		if sel.best != nil && avoid == sel.avoid && score < sel.score*(1-2*scoreEpsilon) {
+			continue // clearly worse: skip the full comparison
+		}
+		sel.offer(e, avoid, score)
 	}
 	return sel.best
 }

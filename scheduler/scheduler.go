@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"math"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -15,9 +16,9 @@ type Scheduler struct {
 	epoch time.Time // times inside are nanoseconds since epoch
 
 	// Derived from cfg, for the hot path.
-	coldStart uint64
-	halfLife  float64 // ns
-	latScale  float64 // ns
+	coldStart   uint64
+	halfLife    float64 // ns
+	invLatScale float64 // 1/ns
 
 	mu        sync.Mutex // guards the fields below and every endpoint's state
 	endpoints map[string]*endpoint
@@ -25,6 +26,46 @@ type Scheduler struct {
 	sessions  *sessionTable
 	rng       *rand.Rand
 	seq       uint64 // numbers choices, so a Report is matched to its Pick
+
+	// Decayed counts are stored in units that make decay one shared
+	// factor: an outcome at time t adds 2^((t-decayBase)/halfLife), and a
+	// count's value at now is the stored number times
+	// 2^(-(now-decayBase)/halfLife). A pick computes that factor once
+	// instead of once per endpoint. decayBase moves forward (rescaling every
+	// endpoint) before the stored numbers could overflow.
+	decayBase int64
+	decayAt   int64   // when decayF was computed
+	decayF    float64 // the factor at decayAt
+}
+
+// decayReuse is how long a computed decay factor is reused: with the default
+// one-minute half-life it is off by at most 1.2e-5 relative, and busy
+// schedulers skip most exponentials.
+const decayReuse = int64(time.Millisecond)
+
+// maxDecayExponent bounds (now-decayBase)/halfLife before a rebase; 2^256
+// keeps the stored numbers far from float64 overflow.
+const maxDecayExponent = 256
+
+// decayNow returns the factor that turns stored decayed counts into their
+// value at now.
+func (s *Scheduler) decayNow(now int64) float64 {
+	if s.decayF != 0 && now >= s.decayAt && now-s.decayAt < decayReuse {
+		return s.decayF
+	}
+	x := float64(max(now-s.decayBase, 0)) / s.halfLife
+	if x > maxDecayExponent {
+		f := math.Exp2(-x)
+		for _, e := range s.endpoints {
+			e.good *= f
+			e.bad *= f
+			e.brOK *= f
+			e.brBad *= f
+		}
+		s.decayBase, x = now, 0
+	}
+	s.decayAt, s.decayF = now, math.Exp2(-x)
+	return s.decayF
 }
 
 // group is the endpoints serving one model, sorted by ID.
@@ -48,16 +89,16 @@ func New(cfg Config) (*Scheduler, error) {
 		seed = rand.Uint64()
 	}
 	s := &Scheduler{
-		cfg:       cfg,
-		clock:     cfg.Clock,
-		epoch:     cfg.Clock.Now(),
-		coldStart: uint64(cfg.ColdStartSamples),
-		halfLife:  float64(cfg.SuccessHalfLife),
-		latScale:  float64(cfg.LatencyScale),
-		endpoints: make(map[string]*endpoint),
-		groups:    make(map[string]*group),
-		sessions:  newSessionTable(int64(cfg.SessionTTL), cfg.MaxSessions),
-		rng:       rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)),
+		cfg:         cfg,
+		clock:       cfg.Clock,
+		epoch:       cfg.Clock.Now(),
+		coldStart:   uint64(cfg.ColdStartSamples),
+		halfLife:    float64(cfg.SuccessHalfLife),
+		invLatScale: 1 / float64(cfg.LatencyScale),
+		endpoints:   make(map[string]*endpoint),
+		groups:      make(map[string]*group),
+		sessions:    newSessionTable(int64(cfg.SessionTTL), cfg.MaxSessions),
+		rng:         rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)),
 	}
 	return s, nil
 }
@@ -81,7 +122,7 @@ func (s *Scheduler) Upsert(ep Endpoint) {
 	defer s.mu.Unlock()
 	e := s.endpoints[ep.ID]
 	if e == nil {
-		e = &endpoint{id: ep.ID, decayAt: s.now()}
+		e = &endpoint{id: ep.ID}
 		s.endpoints[ep.ID] = e
 	} else {
 		for _, m := range e.models {
@@ -197,6 +238,7 @@ func (s *Scheduler) Snapshot() []EndpointStatus {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.now()
+	f := s.decayNow(now)
 	out := make([]EndpointStatus, 0, len(s.endpoints))
 	for _, e := range s.endpoints {
 		st := EndpointStatus{
@@ -214,10 +256,10 @@ func (s *Scheduler) Snapshot() []EndpointStatus {
 			RateLimited:  e.rateLimited,
 			Failures:     e.failures,
 			ClientFaults: e.clientFaults,
-			SuccessRate:  e.successRate(now, s.halfLife),
+			SuccessRate:  e.successRate(f),
 			Breaker:      e.breakerState(now),
 			ColdStart:    e.requests < s.coldStart,
-			Score:        s.score(e, now),
+			Score:        s.score(e, f),
 		}
 		if e.hasEWMA {
 			st.EWMALatency = time.Duration(e.ewma)

@@ -134,6 +134,23 @@ func TestSuccessRateRecovers(t *testing.T) {
 	}
 }
 
+func TestDecayRebase(t *testing.T) {
+	s, clk := newTest(t, Config{FailureThreshold: 1000, FailureRateMinSamples: 1000}, ep("a"))
+	for range 10 {
+		clk.Advance(5 * time.Hour) // 300 half-lives: the stored units are rebased
+		for range 20 {
+			do(t, s, Request{Model: "m"}, fail500)
+		}
+		if got := status(t, s, "a").SuccessRate; math.Abs(got-1.0/21) > 1e-9 {
+			t.Fatalf("success rate %v after 20 fresh failures, want 1/21", got)
+		}
+	}
+	clk.Advance(time.Minute)
+	if got := status(t, s, "a").SuccessRate; math.Abs(got-1.0/11) > 1e-9 {
+		t.Fatalf("success rate %v one half-life later, want 1/11", got)
+	}
+}
+
 func TestAffinity(t *testing.T) {
 	sess := Request{Model: "m", SessionKey: "s1"}
 	type step struct {
@@ -225,10 +242,12 @@ func TestAffinityStaysOnBusierEndpoint(t *testing.T) {
 
 func TestAffinityLeavesUnavailableEndpoint(t *testing.T) {
 	tests := []struct {
-		name  string
+		name   string
 		break_ func(t *testing.T, s *Scheduler, home string)
 	}{
-		{"disabled", func(t *testing.T, s *Scheduler, home string) { s.Upsert(Endpoint{ID: home, Models: []string{"m"}, Disabled: true}) }},
+		{"disabled", func(t *testing.T, s *Scheduler, home string) {
+			s.Upsert(Endpoint{ID: home, Models: []string{"m"}, Disabled: true})
+		}},
 		{"draining", func(t *testing.T, s *Scheduler, home string) { s.SetHealth(home, Health{Draining: true}) }},
 		{"suspect", func(t *testing.T, s *Scheduler, home string) { s.SetHealth(home, Health{Suspect: true}) }},
 		{"engine saturated", func(t *testing.T, s *Scheduler, home string) {
