@@ -1,0 +1,221 @@
+package relay
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/scheduler"
+)
+
+// Defaults for the zero values of Config.
+const (
+	DefaultListen            = ":8080"
+	DefaultMaxAttempts       = 3
+	DefaultTTFBTimeout       = 120 * time.Second // engines under load can queue a long prompt for a while
+	DefaultIdleTimeout       = 60 * time.Second  // gap between two streamed chunks
+	DefaultMaxBodyBytes      = 32 << 20          // long chat histories, not uploads
+	DefaultReadHeaderTimeout = 10 * time.Second  // slow-header clients are cut off here
+	DefaultMaxHeaderBytes    = 64 << 10          // OpenAI requests carry a few small headers
+	DefaultShutdownTimeout   = 30 * time.Second  // in-flight streams get this long on stop
+)
+
+// DefaultP2PListen are the libp2p listen addresses used when
+// Config.P2PListen is empty: QUIC on UDP 4001, IPv4 and IPv6.
+var DefaultP2PListen = []string{"/ip4/0.0.0.0/udp/4001/quic-v1", "/ip6/::/udp/4001/quic-v1"}
+
+// Config configures a Relay. The zero value of every field means its default;
+// New fills the defaults (populate) and checks the result (validate).
+type Config struct {
+	// Listen is the HTTP listen address for Run. Empty means ":8080".
+	Listen string
+
+	// P2PListen are the multiaddrs the libp2p host listens on when New
+	// creates it. Empty means DefaultP2PListen.
+	P2PListen []string
+	// IdentityFile holds the host's Ed25519 key (created on first use).
+	// Empty means an ephemeral identity.
+	IdentityFile string
+	// Host, if set, is the libp2p host agents join; the relay does not close
+	// it. Nil means New creates one from P2PListen and IdentityFile and Close
+	// closes it.
+	Host host.Host
+	// NoP2P runs the relay without a libp2p host: agents are added through
+	// Registry by the embedding program (tests, other transports). Transport
+	// must then be set.
+	NoP2P bool
+	// Token is the agents' join secret. Required unless NoP2P.
+	Token []byte
+
+	// APIKeys are the client keys accepted as "Authorization: Bearer KEY".
+	// The relay refuses to start without keys unless NoAuth is set.
+	APIKeys []string
+	// NoAuth serves clients without any key. It must be set explicitly.
+	NoAuth bool
+
+	// AddrFile, if set, receives the relay's dialable multiaddrs (with
+	// /p2p/<ID>), one per line, once Run is listening.
+	AddrFile string
+
+	// Policy selects the routing policy; it overrides Scheduler.Policy when
+	// not the zero value (sticky).
+	Policy scheduler.Policy
+	// Scheduler tunes the scheduler. Its zero value means the scheduler's
+	// defaults; a nil Scheduler.Clock is replaced by Clock.
+	Scheduler scheduler.Config
+
+	// MaxAttempts bounds the agents tried for one request before its first
+	// byte reaches the client. Zero means 3.
+	MaxAttempts int
+	// TTFBTimeout bounds the wait from sending a request to an agent until
+	// the first byte of its response body. Zero means 120 s.
+	TTFBTimeout time.Duration
+	// IdleTimeout bounds the gap between two chunks of a response body, and
+	// the time a client may take to accept one. Zero means 60 s.
+	IdleTimeout time.Duration
+	// MaxBodyBytes bounds a request body; larger ones get 413. Zero means 32 MiB.
+	MaxBodyBytes int64
+
+	// ReadHeaderTimeout and MaxHeaderBytes configure Run's http.Server.
+	// Zero means 10 s and 64 KiB.
+	ReadHeaderTimeout time.Duration
+	MaxHeaderBytes    int
+	// ShutdownTimeout is how long Run waits for in-flight requests when its
+	// context ends. Zero means 30 s.
+	ShutdownTimeout time.Duration
+
+	// Transport carries requests to agents at http://<peerID>/... Nil means
+	// transport.NewRoundTripper over the host.
+	Transport http.RoundTripper
+	// Clock measures latencies. Nil means the real clock.
+	Clock scheduler.Clock
+	// Logger receives one line per request and lifecycle events. The zero
+	// value discards them.
+	Logger zerolog.Logger
+}
+
+// realClock is the wall clock.
+type realClock struct{}
+
+func (realClock) Now() time.Time { return time.Now() }
+
+// populate returns cfg with defaults filled in.
+func populate(cfg Config) Config {
+	if cfg.Listen == "" {
+		cfg.Listen = DefaultListen
+	}
+	if len(cfg.P2PListen) == 0 {
+		cfg.P2PListen = append([]string(nil), DefaultP2PListen...)
+	}
+	if cfg.MaxAttempts == 0 {
+		cfg.MaxAttempts = DefaultMaxAttempts
+	}
+	if cfg.TTFBTimeout == 0 {
+		cfg.TTFBTimeout = DefaultTTFBTimeout
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = DefaultIdleTimeout
+	}
+	if cfg.MaxBodyBytes == 0 {
+		cfg.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if cfg.ReadHeaderTimeout == 0 {
+		cfg.ReadHeaderTimeout = DefaultReadHeaderTimeout
+	}
+	if cfg.MaxHeaderBytes == 0 {
+		cfg.MaxHeaderBytes = DefaultMaxHeaderBytes
+	}
+	if cfg.ShutdownTimeout == 0 {
+		cfg.ShutdownTimeout = DefaultShutdownTimeout
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = realClock{}
+	}
+	if cfg.Policy != scheduler.PolicySticky {
+		cfg.Scheduler.Policy = cfg.Policy
+	}
+	if cfg.Scheduler.Clock == nil {
+		cfg.Scheduler.Clock = cfg.Clock
+	}
+	return cfg
+}
+
+// validate checks a populated Config.
+func validate(cfg Config) error {
+	var errs []error
+	if len(cfg.APIKeys) == 0 && !cfg.NoAuth {
+		errs = append(errs, errors.New("no API keys: give keys, or set NoAuth to serve without authentication"))
+	}
+	for i, k := range cfg.APIKeys {
+		if k == "" || strings.TrimSpace(k) != k || strings.ContainsAny(k, " \t\r\n") {
+			errs = append(errs, fmt.Errorf("API key %d is empty or contains whitespace", i+1))
+		}
+	}
+	if cfg.NoP2P {
+		if cfg.Transport == nil {
+			errs = append(errs, errors.New("NoP2P needs a Transport to reach agents"))
+		}
+	} else if len(cfg.Token) == 0 {
+		errs = append(errs, errors.New("no join token for agents"))
+	}
+	if cfg.MaxAttempts < 1 {
+		errs = append(errs, fmt.Errorf("MaxAttempts %d < 1", cfg.MaxAttempts))
+	}
+	if cfg.TTFBTimeout < 0 || cfg.IdleTimeout < 0 || cfg.ReadHeaderTimeout < 0 || cfg.ShutdownTimeout < 0 {
+		errs = append(errs, errors.New("negative timeout"))
+	}
+	if cfg.MaxBodyBytes < 0 || cfg.MaxHeaderBytes < 0 {
+		errs = append(errs, errors.New("negative size limit"))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("relay config: %w", err)
+	}
+	return nil
+}
+
+// LoadAPIKeys reads client API keys from a file: one key per line; blank
+// lines and lines starting with '#' are skipped, as is anything after " #".
+func LoadAPIKeys(path string) ([]string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("api keys: %w", err)
+	}
+	defer f.Close()
+	keys, err := ParseAPIKeys(f)
+	if err != nil {
+		return nil, fmt.Errorf("api keys %s: %w", path, err)
+	}
+	return keys, nil
+}
+
+// ParseAPIKeys reads keys in LoadAPIKeys's format.
+func ParseAPIKeys(r io.Reader) ([]string, error) {
+	var keys []string
+	sc := bufio.NewScanner(r)
+	for n := 1; sc.Scan(); n++ {
+		line := sc.Text()
+		if i := strings.Index(line, " #"); i >= 0 {
+			line = line[:i]
+		}
+		line = strings.TrimSpace(line)
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		if strings.ContainsAny(line, " \t") {
+			return nil, fmt.Errorf("line %d: a key must not contain spaces", n)
+		}
+		keys = append(keys, line)
+	}
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	return keys, nil
+}

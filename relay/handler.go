@@ -1,0 +1,188 @@
+package relay
+
+import (
+	"encoding/json"
+	"errors"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// Response headers that tell a client how its request was routed.
+const (
+	HeaderAgent    = "X-ComputeFlux-Agent"    // name of the agent that served
+	HeaderAffinity = "X-ComputeFlux-Affinity" // hit, miss or none
+	HeaderSession  = "X-Session-ID"           // the client's session key
+)
+
+// errAbort asks serveHTTP to abort the response (after logging), so that a
+// client of a truncated non-streamed body sees a broken response rather than
+// a short one that looks whole.
+var errAbort = errors.New("response aborted")
+
+// errClientGone marks a request whose client went away.
+var errClientGone = errors.New("client went away")
+
+// statusClientClosed is logged and counted for requests whose client left
+// before the response ended (nginx's convention).
+const statusClientClosed = 499
+
+// reqLog collects what the per-request log line and metrics report.
+type reqLog struct {
+	path     string
+	model    string
+	stream   bool
+	session  bool
+	agent    string
+	affinity string
+	attempts int
+	status   int
+	ttfb     time.Duration
+	err      error
+}
+
+// serveHTTP dispatches by path and method; every error response goes through
+// writeError.
+func (r *Relay) serveHTTP(w http.ResponseWriter, req *http.Request) {
+	switch req.URL.Path {
+	case "/v1/chat/completions", "/v1/completions", "/v1/embeddings":
+		if req.Method != http.MethodPost {
+			writeError(w, errMethod(req.Method, "POST"))
+			return
+		}
+		r.serveInferenceLogged(w, req)
+	case "/v1/models":
+		if !r.get(w, req) || !r.auth(w, req) {
+			return
+		}
+		r.serveModels(w)
+	case "/healthz":
+		if r.get(w, req) {
+			r.serveHealth(w)
+		}
+	case "/metrics":
+		if r.get(w, req) {
+			promhttp.HandlerFor(r.metrics.reg, promhttp.HandlerOpts{}).ServeHTTP(w, req)
+		}
+	default:
+		if id, ok := strings.CutPrefix(req.URL.Path, "/v1/models/"); ok && id != "" {
+			if !r.get(w, req) || !r.auth(w, req) {
+				return
+			}
+			r.serveModel(w, id)
+			return
+		}
+		writeError(w, errNotFound(req.URL.Path))
+	}
+}
+
+// get answers 405 unless req is a GET or HEAD.
+func (r *Relay) get(w http.ResponseWriter, req *http.Request) bool {
+	if req.Method == http.MethodGet || req.Method == http.MethodHead {
+		return true
+	}
+	writeError(w, errMethod(req.Method, "GET"))
+	return false
+}
+
+// auth answers 401 unless req carries a known key (or auth is off).
+func (r *Relay) auth(w http.ResponseWriter, req *http.Request) bool {
+	if r.cfg.NoAuth || r.keys.check(req) {
+		return true
+	}
+	writeError(w, errUnauthorized())
+	return false
+}
+
+// serveInferenceLogged serves one inference request and writes its log line
+// and metrics.
+func (r *Relay) serveInferenceLogged(w http.ResponseWriter, req *http.Request) {
+	start := r.cfg.Clock.Now()
+	rl := &reqLog{path: req.URL.Path}
+	var err error
+	if !r.cfg.NoAuth && !r.keys.check(req) {
+		err = errUnauthorized()
+	} else {
+		err = r.serveInference(w, req, rl)
+	}
+	abort := false
+	switch {
+	case err == nil:
+	case errors.Is(err, errAbort):
+		abort = true
+	case errors.Is(err, errClientGone):
+		rl.status = statusClientClosed
+	default:
+		e := writeError(w, err)
+		rl.status = e.Status
+	}
+	if rl.err == nil && err != nil && !errors.Is(err, errAbort) {
+		rl.err = err
+	}
+	dur := r.cfg.Clock.Now().Sub(start)
+	r.metrics.observe(rl, dur)
+	ev := r.log.Info()
+	if rl.status >= 500 || rl.err != nil {
+		ev = r.log.Warn()
+	}
+	ev = ev.Str("path", rl.path).Str("model", rl.model).Bool("stream", rl.stream).
+		Bool("session", rl.session).Str("agent", rl.agent).Str("affinity", rl.affinity).
+		Int("attempts", rl.attempts).Int("status", rl.status).
+		Dur("ttfb", rl.ttfb).Dur("duration", dur)
+	if rl.err != nil {
+		ev = ev.AnErr("error", rl.err)
+	}
+	ev.Msg("request")
+	if abort {
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// modelObject is one entry of OpenAI's model list.
+type modelObject struct {
+	ID      string `json:"id"`
+	Object  string `json:"object"`
+	Created int64  `json:"created"`
+	OwnedBy string `json:"owned_by"`
+}
+
+func (r *Relay) serveModels(w http.ResponseWriter) {
+	models := r.sched.Models()
+	list := struct {
+		Object string        `json:"object"`
+		Data   []modelObject `json:"data"`
+	}{Object: "list", Data: make([]modelObject, 0, len(models))}
+	for _, m := range models {
+		list.Data = append(list.Data, modelObject{ID: m, Object: "model", OwnedBy: "computeflux"})
+	}
+	writeJSON(w, http.StatusOK, list)
+}
+
+func (r *Relay) serveModel(w http.ResponseWriter, id string) {
+	for _, m := range r.sched.Models() {
+		if m == id {
+			writeJSON(w, http.StatusOK, modelObject{ID: m, Object: "model", OwnedBy: "computeflux"})
+			return
+		}
+	}
+	writeError(w, errModelNotFound(id, nil))
+}
+
+func (r *Relay) serveHealth(w http.ResponseWriter) {
+	writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "agents_routable": r.reg.routable()})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(b)+1))
+	w.WriteHeader(status)
+	_, _ = w.Write(append(b, '\n'))
+}

@@ -1,0 +1,132 @@
+package relay
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/computeflux/computeflux/scheduler"
+)
+
+// metrics are the relay's Prometheus metrics, on a registry of its own.
+type metrics struct {
+	reg      *prometheus.Registry
+	requests *prometheus.CounterVec // by agent and status
+	affinity *prometheus.CounterVec // by result
+	ttfb     prometheus.Histogram
+	duration prometheus.Histogram
+	retries  prometheus.Counter
+	failures *prometheus.CounterVec // failed attempts before the first byte, by agent
+	routable prometheus.Gauge
+	relay    *Relay
+}
+
+// latencyBuckets span a cached turn on loopback to a long cold prefill.
+var latencyBuckets = []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300}
+
+func newMetrics(r *Relay) *metrics {
+	m := &metrics{
+		reg:   prometheus.NewRegistry(),
+		relay: r,
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "computeflux_requests_total",
+			Help: "Inference requests answered, by serving agent (empty if none) and HTTP status (499: client left).",
+		}, []string{"agent", "status"}),
+		affinity: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "computeflux_affinity_total",
+			Help: "Session affinity of routed requests: hit, miss or none.",
+		}, []string{"result"}),
+		ttfb: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "computeflux_ttfb_seconds",
+			Help:    "Time from receiving a request to the first response byte from the serving agent.",
+			Buckets: latencyBuckets,
+		}),
+		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "computeflux_request_duration_seconds",
+			Help:    "Time from receiving an inference request to the end of its response.",
+			Buckets: latencyBuckets,
+		}),
+		retries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "computeflux_retries_total",
+			Help: "Attempts beyond the first for inference requests.",
+		}),
+		failures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "computeflux_attempt_failures_total",
+			Help: "Attempts that failed before their first byte (and were retried or given up), by agent.",
+		}, []string{"agent"}),
+		routable: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "computeflux_agents_routable",
+			Help: "Joined agents that may take new requests (not draining, not dead, serving a model).",
+		}),
+	}
+	m.reg.MustRegister(m.requests, m.affinity, m.ttfb, m.duration, m.retries, m.failures, m.routable,
+		schedulerCollector{r: r},
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// observe records one finished inference request.
+func (m *metrics) observe(rl *reqLog, dur time.Duration) {
+	if rl.status == 0 {
+		return
+	}
+	m.requests.WithLabelValues(rl.agent, strconv.Itoa(rl.status)).Inc()
+	if rl.affinity != "" {
+		m.affinity.WithLabelValues(rl.affinity).Inc()
+	}
+	if rl.ttfb > 0 {
+		m.ttfb.Observe(rl.ttfb.Seconds())
+	}
+	m.duration.Observe(dur.Seconds())
+}
+
+func (m *metrics) updateRoutable() {
+	m.routable.Set(float64(m.relay.reg.routable()))
+}
+
+// schedulerCollector exports the scheduler's per-agent state at scrape time.
+type schedulerCollector struct{ r *Relay }
+
+var (
+	descInFlight = prometheus.NewDesc("computeflux_agent_in_flight",
+		"Requests in flight on an agent, as the scheduler counts them.", []string{"agent"}, nil)
+	descEWMA = prometheus.NewDesc("computeflux_agent_ewma_latency_seconds",
+		"Moving average of an agent's time to first byte (0 before the first sample).", []string{"agent"}, nil)
+	descBreaker = prometheus.NewDesc("computeflux_agent_breaker_state",
+		"Circuit breaker state of an agent: 1 for the current state, 0 for the others.", []string{"agent", "state"}, nil)
+	descScore = prometheus.NewDesc("computeflux_agent_score",
+		"The sticky policy's score of an agent right now.", []string{"agent"}, nil)
+	descSuccessRate = prometheus.NewDesc("computeflux_agent_success_rate",
+		"Decayed success rate of an agent.", []string{"agent"}, nil)
+)
+
+var breakerStates = []scheduler.BreakerState{scheduler.BreakerClosed, scheduler.BreakerOpen, scheduler.BreakerHalfOpen}
+
+// Describe implements prometheus.Collector.
+func (c schedulerCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descInFlight
+	ch <- descEWMA
+	ch <- descBreaker
+	ch <- descScore
+	ch <- descSuccessRate
+}
+
+// Collect implements prometheus.Collector.
+func (c schedulerCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, s := range c.r.sched.Snapshot() {
+		ch <- prometheus.MustNewConstMetric(descInFlight, prometheus.GaugeValue, float64(s.InFlight), s.ID)
+		ch <- prometheus.MustNewConstMetric(descEWMA, prometheus.GaugeValue, s.EWMALatency.Seconds(), s.ID)
+		ch <- prometheus.MustNewConstMetric(descScore, prometheus.GaugeValue, s.Score, s.ID)
+		ch <- prometheus.MustNewConstMetric(descSuccessRate, prometheus.GaugeValue, s.SuccessRate, s.ID)
+		for _, st := range breakerStates {
+			v := 0.0
+			if s.Breaker == st {
+				v = 1
+			}
+			ch <- prometheus.MustNewConstMetric(descBreaker, prometheus.GaugeValue, v, s.ID, st.String())
+		}
+	}
+}

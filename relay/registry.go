@@ -1,0 +1,283 @@
+package relay
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
+)
+
+// ErrNameTaken rejects a join whose agent name is held by another peer.
+var ErrNameTaken = errors.New("agent name is taken by another peer")
+
+// ErrBadName rejects a join without a usable agent name.
+var ErrBadName = errors.New("agent name is empty or too long")
+
+// maxNameLen bounds agent names: they appear in headers, logs and metrics.
+const maxNameLen = 128
+
+// Registry is the relay's table of joined agents. It binds each agent name
+// to the first peer ID that joined with it, for as long as that peer stays
+// joined, and feeds the scheduler: the scheduler's endpoint ID is the agent
+// name. It implements transport.JoinHandler; all methods are safe for
+// concurrent use and do not block on I/O.
+type Registry struct {
+	sched *scheduler.Scheduler
+	log   zerolog.Logger
+	// onChange, if set, is called (without mu held) after the routable set
+	// may have changed.
+	onChange func()
+
+	mu     sync.Mutex        // guards the following fields
+	byName map[string]*entry // agent name -> entry
+	byPeer map[peer.ID]*entry
+}
+
+// entry is one joined agent.
+type entry struct {
+	name   string
+	peer   peer.ID
+	info   transport.JoinInfo
+	health scheduler.Health
+	dead   bool // removed from routing by SetDead; the join still holds the name
+}
+
+// AgentInfo describes a joined agent, for status and tests.
+type AgentInfo struct {
+	Name     string
+	Peer     peer.ID
+	Models   []string
+	Weight   float64
+	Capacity int
+	Draining bool
+	Health   scheduler.Health
+	Dead     bool
+}
+
+var _ transport.JoinHandler = (*Registry)(nil)
+
+func newRegistry(s *scheduler.Scheduler, log zerolog.Logger) *Registry {
+	return &Registry{
+		sched:  s,
+		log:    log,
+		byName: make(map[string]*entry),
+		byPeer: make(map[peer.ID]*entry),
+	}
+}
+
+// Joined admits peer p as agent info.Name. It fails with ErrNameTaken when
+// another peer holds the name and ErrBadName for an unusable name. A peer
+// joining again replaces its previous registration (reconnects).
+func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
+	if info.Name == "" || len(info.Name) > maxNameLen {
+		return ErrBadName
+	}
+	g.mu.Lock()
+	if e, ok := g.byName[info.Name]; ok && e.peer != p {
+		g.mu.Unlock()
+		g.log.Warn().Str("agent", info.Name).Stringer("peer", p).Stringer("owner", e.peer).Msg("join rejected: name taken")
+		return fmt.Errorf("%w: %q", ErrNameTaken, info.Name)
+	}
+	var oldName string
+	if old, ok := g.byPeer[p]; ok && old.name != info.Name {
+		// The same peer now joins under another name: drop the old one.
+		delete(g.byName, old.name)
+		oldName = old.name
+	}
+	e := &entry{name: info.Name, peer: p, info: cloneInfo(info)}
+	if prev, ok := g.byName[info.Name]; ok {
+		e.health = prev.health
+	}
+	g.byName[info.Name] = e
+	g.byPeer[p] = e
+	// The scheduler is updated under mu so that concurrent joins and leaves
+	// of one name reach it in the order they took effect here.
+	if oldName != "" {
+		g.sched.Remove(oldName)
+	}
+	g.sched.Upsert(e.endpoint())
+	g.sched.SetHealth(e.name, e.effectiveHealth())
+	g.mu.Unlock()
+
+	g.log.Info().Str("agent", info.Name).Stringer("peer", p).Strs("models", info.Models).
+		Int("capacity", info.Capacity).Bool("draining", info.Draining).Msg("agent joined")
+	g.changed()
+	return nil
+}
+
+// Updated applies a joined agent's new models, weight, capacity or draining
+// flag. Updates from peers that hold no name, or that try to rename, are
+// ignored (a new name needs a new join).
+func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
+	g.mu.Lock()
+	e, ok := g.byPeer[p]
+	if !ok || (info.Name != "" && info.Name != e.name) {
+		g.mu.Unlock()
+		g.log.Warn().Stringer("peer", p).Str("agent", info.Name).Msg("update ignored: not joined under that name")
+		return
+	}
+	info.Name = e.name
+	e.info = cloneInfo(info)
+	if !e.dead {
+		g.sched.Upsert(e.endpoint())
+		g.sched.SetHealth(e.name, e.effectiveHealth())
+	}
+	g.mu.Unlock()
+
+	g.log.Info().Str("agent", info.Name).Strs("models", info.Models).Int("capacity", info.Capacity).
+		Bool("draining", info.Draining).Msg("agent updated")
+	g.changed()
+}
+
+// Left removes the agent that peer p joined as and frees its name.
+func (g *Registry) Left(p peer.ID) {
+	g.mu.Lock()
+	e, ok := g.byPeer[p]
+	if ok {
+		delete(g.byPeer, p)
+		if g.byName[e.name] == e {
+			delete(g.byName, e.name)
+			g.sched.Remove(e.name)
+		}
+	}
+	g.mu.Unlock()
+	if !ok {
+		return
+	}
+	g.log.Info().Str("agent", e.name).Stringer("peer", p).Msg("agent left")
+	g.changed()
+}
+
+// SetHealth records health news about a joined agent (from gossip or the
+// agent's reports). The draining flag from the join is kept: an agent that
+// said it drains stays draining. Unknown names are ignored.
+func (g *Registry) SetHealth(name string, h scheduler.Health) {
+	g.mu.Lock()
+	e, ok := g.byName[name]
+	if ok {
+		e.health = h
+		if !e.dead {
+			g.sched.SetHealth(name, e.effectiveHealth())
+		}
+	}
+	g.mu.Unlock()
+	if ok {
+		g.changed()
+	}
+}
+
+// SetDead takes a joined agent out of routing (dead = true; its sessions'
+// affinity is dropped) or puts it back (dead = false), while it keeps its
+// name. Failure detection calls it; unknown names are ignored.
+func (g *Registry) SetDead(name string, dead bool) {
+	g.mu.Lock()
+	e, ok := g.byName[name]
+	changed := ok && e.dead != dead
+	if changed {
+		e.dead = dead
+		if dead {
+			g.sched.Remove(name)
+		} else {
+			g.sched.Upsert(e.endpoint())
+			g.sched.SetHealth(name, e.effectiveHealth())
+		}
+	}
+	g.mu.Unlock()
+	if !changed {
+		return
+	}
+	g.log.Info().Str("agent", name).Bool("dead", dead).Msg("agent liveness changed")
+	g.changed()
+}
+
+// Peer returns the peer ID that holds agent name.
+func (g *Registry) Peer(name string) (peer.ID, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e, ok := g.byName[name]
+	if !ok {
+		return "", false
+	}
+	return e.peer, true
+}
+
+// Name returns the agent name peer p joined as.
+func (g *Registry) Name(p peer.ID) (string, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e, ok := g.byPeer[p]
+	if !ok {
+		return "", false
+	}
+	return e.name, true
+}
+
+// Agents lists the joined agents, sorted by name.
+func (g *Registry) Agents() []AgentInfo {
+	g.mu.Lock()
+	out := make([]AgentInfo, 0, len(g.byName))
+	for _, e := range g.byName {
+		out = append(out, AgentInfo{
+			Name: e.name, Peer: e.peer, Models: slices.Clone(e.info.Models), Weight: e.info.Weight,
+			Capacity: e.info.Capacity, Draining: e.info.Draining, Health: e.health, Dead: e.dead,
+		})
+	}
+	g.mu.Unlock()
+	slices.SortFunc(out, func(a, b AgentInfo) int {
+		switch {
+		case a.Name < b.Name:
+			return -1
+		case a.Name > b.Name:
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// routable counts joined agents that may take new requests.
+func (g *Registry) routable() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	n := 0
+	for _, e := range g.byName {
+		if !e.dead && !e.info.Draining && !e.health.Draining && len(e.info.Models) > 0 {
+			n++
+		}
+	}
+	return n
+}
+
+func (g *Registry) changed() {
+	if g.onChange != nil {
+		g.onChange()
+	}
+}
+
+func (e *entry) endpoint() scheduler.Endpoint {
+	return scheduler.Endpoint{
+		ID:       e.name,
+		Models:   slices.Clone(e.info.Models),
+		Weight:   e.info.Weight,
+		Capacity: e.info.Capacity,
+	}
+}
+
+// effectiveHealth is the health the scheduler sees: a draining join flag
+// wins over gossip that does not know of it.
+func (e *entry) effectiveHealth() scheduler.Health {
+	h := e.health
+	h.Draining = h.Draining || e.info.Draining
+	return h
+}
+
+func cloneInfo(info transport.JoinInfo) transport.JoinInfo {
+	info.Models = slices.Clone(info.Models)
+	return info
+}

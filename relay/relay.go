@@ -1,0 +1,211 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	stdlog "log"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/multiformats/go-multiaddr"
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
+)
+
+// Relay serves the OpenAI HTTP API and routes each request to a joined agent.
+// Build it with New, serve it with Run (or mount Handler), stop it with
+// Close. Its methods are safe for concurrent use.
+type Relay struct {
+	cfg     Config
+	log     zerolog.Logger
+	sched   *scheduler.Scheduler
+	reg     *Registry
+	keys    *keyring
+	rt      http.RoundTripper
+	metrics *metrics
+	handler http.Handler
+
+	host    host.Host // nil with NoP2P
+	ownHost bool      // New created host, so Close closes it
+	join    io.Closer // the join service on host
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// New builds a relay from cfg: the scheduler, the registry of agents and,
+// unless cfg.NoP2P, the libp2p host (when cfg.Host is nil) with the join
+// service listening on it.
+func New(cfg Config) (*Relay, error) {
+	cfg = populate(cfg)
+	if err := validate(cfg); err != nil {
+		return nil, err
+	}
+	sched, err := scheduler.New(cfg.Scheduler)
+	if err != nil {
+		return nil, fmt.Errorf("relay: scheduler: %w", err)
+	}
+	r := &Relay{
+		cfg:   cfg,
+		log:   cfg.Logger.With().Str("component", "relay").Logger(),
+		sched: sched,
+		keys:  newKeyring(cfg.APIKeys),
+		rt:    cfg.Transport,
+	}
+	r.reg = newRegistry(sched, r.log)
+	r.metrics = newMetrics(r)
+	r.reg.onChange = r.metrics.updateRoutable
+	r.handler = http.HandlerFunc(r.serveHTTP)
+
+	if !cfg.NoP2P {
+		r.host = cfg.Host
+		if r.host == nil {
+			h, err := transport.NewHost(transport.HostConfig{
+				ListenAddrs:  cfg.P2PListen,
+				IdentityFile: cfg.IdentityFile,
+				Logger:       cfg.Logger,
+			})
+			if err != nil {
+				return nil, fmt.Errorf("relay: libp2p host: %w", err)
+			}
+			r.host, r.ownHost = h, true
+		}
+		join, err := transport.ServeJoin(r.host, cfg.Token, r.reg)
+		if err != nil {
+			if r.ownHost {
+				_ = r.host.Close()
+			}
+			return nil, fmt.Errorf("relay: join service: %w", err)
+		}
+		r.join = join
+		if r.rt == nil {
+			r.rt = transport.NewRoundTripper(r.host)
+		}
+		r.log.Info().Stringer("peer", r.host.ID()).Strs("addrs", r.addrStrings()).Msg("relay p2p listening")
+	}
+	if cfg.NoAuth {
+		r.log.Warn().Msg("serving clients without API keys (NoAuth)")
+	}
+	return r, nil
+}
+
+// Handler returns the relay's HTTP handler: the OpenAI API, /healthz and
+// /metrics.
+func (r *Relay) Handler() http.Handler { return r.handler }
+
+// Registry returns the table of joined agents (for failure detection and
+// tests).
+func (r *Relay) Registry() *Registry { return r.reg }
+
+// Scheduler returns the relay's scheduler.
+func (r *Relay) Scheduler() *scheduler.Scheduler { return r.sched }
+
+// Host returns the libp2p host, or nil with NoP2P.
+func (r *Relay) Host() host.Host { return r.host }
+
+// Addrs returns the relay's dialable multiaddrs, each ending in /p2p/<ID>;
+// nil with NoP2P.
+func (r *Relay) Addrs() []multiaddr.Multiaddr {
+	if r.host == nil {
+		return nil
+	}
+	return transport.FullAddrs(r.host)
+}
+
+func (r *Relay) addrStrings() []string {
+	var s []string
+	for _, a := range r.Addrs() {
+		s = append(s, a.String())
+	}
+	return s
+}
+
+// Run listens on cfg.Listen and serves until ctx ends; see Serve.
+func (r *Relay) Run(ctx context.Context) error {
+	ln, err := net.Listen("tcp", r.cfg.Listen)
+	if err != nil {
+		_ = r.Close()
+		return fmt.Errorf("relay: listen: %w", err)
+	}
+	return r.Serve(ctx, ln)
+}
+
+// Serve serves HTTP on ln until ctx ends, then stops accepting, gives
+// in-flight requests up to cfg.ShutdownTimeout, and closes the relay. It
+// writes cfg.AddrFile once listening. It returns nil after a clean stop.
+func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
+	defer r.Close()
+	if r.cfg.AddrFile != "" {
+		if err := writeAddrFile(r.cfg.AddrFile, r.addrStrings()); err != nil {
+			_ = ln.Close()
+			return err
+		}
+	}
+	srv := &http.Server{
+		Handler:           r.handler,
+		ReadHeaderTimeout: r.cfg.ReadHeaderTimeout,
+		MaxHeaderBytes:    r.cfg.MaxHeaderBytes,
+		IdleTimeout:       2 * r.cfg.IdleTimeout,
+		ErrorLog:          stdlog.New(r.log.With().Str("source", "http").Logger(), "", 0),
+	}
+	r.log.Info().Str("addr", ln.Addr().String()).Msg("relay http listening")
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return fmt.Errorf("relay: serve: %w", err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)
+	defer cancel()
+	err := srv.Shutdown(sctx)
+	if err != nil {
+		_ = srv.Close()
+	}
+	<-errc
+	r.log.Info().Msg("relay stopped")
+	if err != nil && !errors.Is(err, context.DeadlineExceeded) {
+		return fmt.Errorf("relay: shutdown: %w", err)
+	}
+	return nil
+}
+
+// Close stops the join service and closes the host if New created it. It is
+// safe to call more than once; HTTP serving is stopped by Run's context.
+func (r *Relay) Close() error {
+	r.closeOnce.Do(func() {
+		var errs []error
+		if r.join != nil {
+			errs = append(errs, r.join.Close())
+		}
+		if r.ownHost {
+			errs = append(errs, r.host.Close())
+		}
+		if c, ok := r.rt.(interface{ CloseIdleConnections() }); ok {
+			c.CloseIdleConnections()
+		}
+		r.closeErr = errors.Join(errs...)
+	})
+	return r.closeErr
+}
+
+// writeAddrFile writes addrs one per line, atomically (rename), so a
+// script polling for the file never reads half of it.
+func writeAddrFile(path string, addrs []string) error {
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, []byte(strings.Join(addrs, "\n")+"\n"), 0o644); err != nil {
+		return fmt.Errorf("relay: addr file: %w", err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return fmt.Errorf("relay: addr file: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,90 @@
+package relay
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"net/http"
+)
+
+// routing is what the relay reads from a request body: just enough to route
+// it. The body itself is forwarded byte for byte.
+type routing struct {
+	model   string
+	stream  bool
+	session string // prompt_cache_key, when it is a non-empty string
+}
+
+// routingFields decodes the routing fields lazily: RawMessage keeps the
+// decoder from building values for the rest of the body.
+type routingFields struct {
+	Model          json.RawMessage `json:"model"`
+	Stream         json.RawMessage `json:"stream"`
+	PromptCacheKey json.RawMessage `json:"prompt_cache_key"`
+}
+
+// parseRouting reads the routing fields of an OpenAI request body. It fails
+// with a 400 *Error on malformed JSON, a body that is not an object, a
+// missing, empty or non-string model, or a non-boolean stream.
+func parseRouting(body []byte) (routing, error) {
+	var f routingFields
+	trimmed := bytes.TrimLeft(body, " \t\r\n")
+	if len(trimmed) == 0 || trimmed[0] != '{' {
+		return routing{}, errBadRequest("invalid_json", "The request body must be a JSON object", nil)
+	}
+	if err := json.Unmarshal(body, &f); err != nil {
+		return routing{}, errBadRequest("invalid_json", "The request body is not valid JSON", err)
+	}
+	var rt routing
+	if len(f.Model) == 0 || string(f.Model) == "null" {
+		return routing{}, errBadRequest("missing_model", "The request must name a 'model'", nil)
+	}
+	if f.Model[0] != '"' {
+		return routing{}, errBadRequest("invalid_model", "'model' must be a string", nil)
+	}
+	if err := json.Unmarshal(f.Model, &rt.model); err != nil || rt.model == "" {
+		return routing{}, errBadRequest("missing_model", "The request must name a non-empty 'model'", err)
+	}
+	switch string(f.Stream) {
+	case "", "null", "false":
+	case "true":
+		rt.stream = true
+	default:
+		return routing{}, errBadRequest("invalid_stream", "'stream' must be a boolean", nil)
+	}
+	if len(f.PromptCacheKey) > 0 && f.PromptCacheKey[0] == '"' {
+		// A malformed key only loses affinity; it is the engine's business
+		// to reject it.
+		_ = json.Unmarshal(f.PromptCacheKey, &rt.session)
+	}
+	return rt, nil
+}
+
+// readBody reads a request body up to limit bytes; a larger body is a 413.
+func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, error) {
+	if r.ContentLength > limit {
+		return nil, errTooLarge(limit)
+	}
+	rd := http.MaxBytesReader(w, r.Body, limit)
+	var buf bytes.Buffer
+	if r.ContentLength > 0 {
+		buf.Grow(int(r.ContentLength))
+	}
+	if _, err := buf.ReadFrom(rd); err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return nil, errTooLarge(limit)
+		}
+		return nil, errBadRequest("body_read_failed", "Could not read the request body", err)
+	}
+	return buf.Bytes(), nil
+}
+
+// sessionKey is the request's affinity key: X-Session-ID, else the body's
+// prompt_cache_key. The "user" field names a person, not a conversation.
+func sessionKey(r *http.Request, rt routing) string {
+	if s := r.Header.Get("X-Session-ID"); s != "" {
+		return s
+	}
+	return rt.session
+}
