@@ -3,9 +3,135 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
+	"fmt"
 	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/scheduler"
 )
 
+// runRelay serves the OpenAI API and the agents' join service until ctx ends.
 func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	return errors.New("relay: not built yet")
+	cfg, err := relayConfig(args, os.LookupEnv, stderr)
+	if err != nil {
+		return err
+	}
+	r, err := relay.New(cfg)
+	if err != nil {
+		return err
+	}
+	for _, a := range r.Addrs() {
+		fmt.Fprintf(stdout, "relay p2p address: %s\n", a)
+	}
+	return r.Run(ctx)
+}
+
+// relayConfig turns the command line, then COMPUTEFLUX_* environment
+// variables for flags not given, into a relay.Config.
+func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io.Writer) (relay.Config, error) {
+	var cfg relay.Config
+	var p2pListen, token, tokenFile, keysFile, policy, logFormat, logLevel string
+	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&cfg.Listen, "listen", relay.DefaultListen, "HTTP listen `address` for the OpenAI API")
+	fs.StringVar(&p2pListen, "p2p-listen", strings.Join(relay.DefaultP2PListen, ","), "comma-separated libp2p listen `multiaddrs` for agents")
+	fs.StringVar(&cfg.IdentityFile, "identity", "", "Ed25519 identity `file` (created on first run; empty: ephemeral)")
+	fs.StringVar(&token, "token", "", "agents' join `secret` (prefer --token-file)")
+	fs.StringVar(&tokenFile, "token-file", "", "`file` holding the agents' join secret")
+	fs.StringVar(&keysFile, "api-keys-file", "", "`file` of client API keys, one per line, # comments")
+	fs.BoolVar(&cfg.NoAuth, "no-auth", false, "serve clients without API keys")
+	fs.StringVar(&cfg.AddrFile, "addr-file", "", "write the relay's dialable multiaddrs to this `file` once listening")
+	fs.StringVar(&policy, "policy", "sticky", "routing `policy`: sticky, round-robin, random, least-loaded, consistent-hash")
+	fs.IntVar(&cfg.MaxAttempts, "max-attempts", relay.DefaultMaxAttempts, "agents tried per request before its first byte")
+	fs.DurationVar(&cfg.TTFBTimeout, "ttfb-timeout", relay.DefaultTTFBTimeout, "longest wait for an agent's first response byte")
+	fs.DurationVar(&cfg.IdleTimeout, "idle-timeout", relay.DefaultIdleTimeout, "longest gap between streamed chunks")
+	fs.Int64Var(&cfg.MaxBodyBytes, "max-body", relay.DefaultMaxBodyBytes, "largest request body in `bytes`")
+	fs.StringVar(&logFormat, "log-format", "console", "log format: console or json")
+	fs.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	if fs.NArg() > 0 {
+		return cfg, fmt.Errorf("relay: unexpected arguments %q", fs.Args())
+	}
+	if err := relayFlagsFromEnv(fs, lookupEnv); err != nil {
+		return cfg, err
+	}
+
+	for _, a := range strings.Split(p2pListen, ",") {
+		if a = strings.TrimSpace(a); a != "" {
+			cfg.P2PListen = append(cfg.P2PListen, a)
+		}
+	}
+	switch {
+	case token != "" && tokenFile != "":
+		return cfg, errors.New("relay: give --token or --token-file, not both")
+	case tokenFile != "":
+		b, err := os.ReadFile(tokenFile)
+		if err != nil {
+			return cfg, fmt.Errorf("relay: --token-file: %w", err)
+		}
+		token = strings.TrimSpace(string(b))
+	}
+	if token == "" {
+		return cfg, errors.New("relay: a join token is required (--token-file or --token)")
+	}
+	cfg.Token = []byte(token)
+	if keysFile != "" {
+		keys, err := relay.LoadAPIKeys(keysFile)
+		if err != nil {
+			return cfg, fmt.Errorf("relay: %w", err)
+		}
+		if len(keys) == 0 {
+			return cfg, fmt.Errorf("relay: --api-keys-file %s holds no keys", keysFile)
+		}
+		cfg.APIKeys = keys
+	}
+	if len(cfg.APIKeys) == 0 && !cfg.NoAuth {
+		return cfg, errors.New("relay: no client API keys: give --api-keys-file, or --no-auth to serve anyone")
+	}
+	p, err := scheduler.ParsePolicy(policy)
+	if err != nil {
+		return cfg, fmt.Errorf("relay: --policy: %w", err)
+	}
+	cfg.Policy = p
+	level, err := zerolog.ParseLevel(logLevel)
+	if err != nil {
+		return cfg, fmt.Errorf("relay: --log-level: %w", err)
+	}
+	switch logFormat {
+	case "json":
+		cfg.Logger = zerolog.New(stderr).Level(level).With().Timestamp().Logger()
+	case "console":
+		cfg.Logger = zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.TimeOnly, NoColor: true}).Level(level).With().Timestamp().Logger()
+	default:
+		return cfg, fmt.Errorf("relay: --log-format %q: want console or json", logFormat)
+	}
+	return cfg, nil
+}
+
+// relayFlagsFromEnv sets every flag not given on the command line from the
+// environment variable COMPUTEFLUX_<NAME> (upper case, '-' as '_'), if set.
+func relayFlagsFromEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) error {
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	var err error
+	fs.VisitAll(func(f *flag.Flag) {
+		if given[f.Name] || err != nil {
+			return
+		}
+		name := "COMPUTEFLUX_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
+		if v, ok := lookupEnv(name); ok {
+			if e := fs.Set(f.Name, v); e != nil {
+				err = fmt.Errorf("relay: %s: %w", name, e)
+			}
+		}
+	})
+	return err
 }
