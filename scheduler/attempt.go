@@ -174,6 +174,12 @@ func (a *Attempt) exclusion(e *endpoint, checkModel bool) Exclusion {
 // for endpoints to use only when no other is admitted: suspects and
 // endpoints that failed earlier in this request.
 func (a *Attempt) admit(e *endpoint, now int64, checkModel bool) (ok, avoid bool) {
+	return a.admitUpTo(e, now, checkModel, e.capacity)
+}
+
+// admitUpTo is admit with the in-flight limit given: e.capacity, or
+// e.affCap for the session's own endpoint.
+func (a *Attempt) admitUpTo(e *endpoint, now int64, checkModel bool, limit int) (ok, avoid bool) {
 	if a.exclusion(e, checkModel) != ExclusionNone || e.health.Draining {
 		return false, false
 	}
@@ -185,7 +191,7 @@ func (a *Attempt) admit(e *endpoint, now int64, checkModel bool) (ok, avoid bool
 			return false, false
 		}
 	}
-	if e.capacity > 0 && e.inFlight >= e.capacity {
+	if limit > 0 && e.inFlight >= limit {
 		return false, false
 	}
 	avoid = e.health.Suspect || (len(a.failed) > 0 && slices.Contains(a.failed, e.id))
@@ -213,7 +219,7 @@ func (a *Attempt) Pick() (Choice, error) {
 	switch s.cfg.Policy {
 	case PolicySticky:
 		if mapped != nil {
-			if ok, avoid := a.admit(mapped, now, true); ok && !avoid && !s.engineSaturated(mapped) {
+			if ok, avoid := a.admitUpTo(mapped, now, true, mapped.affCap); ok && !avoid && !s.engineSaturated(mapped) {
 				e = mapped
 			}
 		}

@@ -120,6 +120,11 @@ type Config struct {
 	// that also has queued requests counts as saturated, so sessions mapped
 	// to it are placed afresh. Default 0.98; above 1 disables the rule.
 	SaturatedKVUsage float64
+	// AffinityCapacity is the multiple of an endpoint's Capacity up to which
+	// requests of sessions whose cache it holds may fill it; new and moved
+	// sessions stop at Capacity. Default 2; 1 makes Capacity strict for
+	// everyone.
+	AffinityCapacity float64
 	// VirtualNodes is the number of ring points per unit of weight for
 	// PolicyConsistentHash. Default 100.
 	VirtualNodes int
@@ -169,6 +174,9 @@ func (cfg Config) populate() Config {
 	if cfg.SaturatedKVUsage == 0 {
 		cfg.SaturatedKVUsage = 0.98
 	}
+	if cfg.AffinityCapacity == 0 {
+		cfg.AffinityCapacity = 2
+	}
 	if cfg.VirtualNodes == 0 {
 		cfg.VirtualNodes = 100
 	}
@@ -217,6 +225,9 @@ func (cfg Config) validate() error {
 	}
 	if !(cfg.SaturatedKVUsage > 0) || math.IsInf(cfg.SaturatedKVUsage, 0) {
 		bad("SaturatedKVUsage must be positive, got %v", cfg.SaturatedKVUsage)
+	}
+	if !(cfg.AffinityCapacity >= 1) || cfg.AffinityCapacity > 1000 {
+		bad("AffinityCapacity must be in 1..1000, got %v", cfg.AffinityCapacity)
 	}
 	if cfg.VirtualNodes < 0 || cfg.VirtualNodes > 10_000 {
 		bad("VirtualNodes must be in 1..10000, got %d", cfg.VirtualNodes)

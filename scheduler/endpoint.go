@@ -103,6 +103,7 @@ type endpoint struct {
 	hasEWMA   bool
 	br        BreakerState
 	capacity  int
+	affCap    int // capacity for affinity hits: ceil(capacity × AffinityCapacity)
 	inFlight  int
 	probes    int // half-open probes in flight in the current breaker phase
 	requests  uint64

@@ -182,8 +182,10 @@ func (fz *fuzzer) pick(fa *fuzzAttempt) {
 		t.Fatalf("picked %s with its breaker open", e.id)
 	case e.br == BreakerHalfOpen && (!c.Probe || e.probes > 3):
 		t.Fatalf("half-open %s: probe %v, %d probes", e.id, c.Probe, e.probes)
-	case e.capacity > 0 && e.inFlight > e.capacity:
-		t.Fatalf("picked %s beyond capacity: %d in flight of %d", e.id, e.inFlight, e.capacity)
+	case e.capacity > 0 && c.Affinity != AffinityHit && e.inFlight > e.capacity:
+		t.Fatalf("placed on %s beyond capacity: %d in flight of %d", e.id, e.inFlight, e.capacity)
+	case e.capacity > 0 && e.inFlight > 2*e.capacity:
+		t.Fatalf("affinity hit on %s beyond twice its capacity: %d in flight of %d", e.id, e.inFlight, e.capacity)
 	}
 	if e.health.Suspect || slices.Contains(fa.a.failed, e.id) {
 		for _, o := range s.endpoints {

@@ -169,7 +169,7 @@ func TestConfigDefaults(t *testing.T) {
 		HalfOpenProbes: 3, FailureThreshold: 5, FailureRate: 0.5, FailureRateMinSamples: 10,
 		Cooldown: 30 * time.Second, RateLimitCooldown: time.Minute, MaxRetryAfter: 10 * time.Minute,
 		SuccessHalfLife: time.Minute, LatencyScale: time.Second, SaturatedKVUsage: 0.98,
-		VirtualNodes: 100, Policy: PolicySticky, Clock: realClock{},
+		AffinityCapacity: 2, VirtualNodes: 100, Policy: PolicySticky, Clock: realClock{},
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("defaults\n got %+v\nwant %+v", got, want)
@@ -217,6 +217,7 @@ func TestConfigValidate(t *testing.T) {
 		{"negative probes", Config{HalfOpenProbes: -1}},
 		{"unknown policy", Config{Policy: 9}},
 		{"negative sessions", Config{MaxSessions: -5}},
+		{"affinity capacity below 1", Config{AffinityCapacity: 0.5}},
 	} {
 		if _, err := New(tt.cfg); err == nil {
 			t.Errorf("%s: New accepted %+v", tt.name, tt.cfg)

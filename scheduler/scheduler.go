@@ -134,6 +134,7 @@ func (s *Scheduler) Upsert(ep Endpoint) {
 	old := e.models
 	weightChanged := e.weight != weight
 	e.models, e.weight, e.capacity, e.disabled = models, weight, capacity, ep.Disabled
+	e.affCap = int(math.Ceil(float64(capacity) * s.cfg.AffinityCapacity))
 	for _, m := range models {
 		if _, ok := slices.BinarySearch(old, m); !ok {
 			s.join(m, e)

@@ -254,9 +254,13 @@ func TestAffinityLeavesUnavailableEndpoint(t *testing.T) {
 			s.SetHealth(home, Health{Waiting: 1, KVCacheUsage: 0.99})
 		}},
 		{"model dropped", func(t *testing.T, s *Scheduler, home string) { s.Upsert(Endpoint{ID: home, Models: []string{"other"}}) }},
-		{"at capacity", func(t *testing.T, s *Scheduler, home string) {
+		{"at twice its capacity", func(t *testing.T, s *Scheduler, home string) {
 			s.Upsert(Endpoint{ID: home, Models: []string{"m"}, Capacity: 1})
-			mustPick(t, s.Begin(Request{Model: "m", SessionKey: "s"}))
+			for range 2 {
+				if c := mustPick(t, s.Begin(Request{Model: "m", SessionKey: "s"})); c.EndpointID != home {
+					t.Fatalf("left %s below twice its capacity: %+v", home, c)
+				}
+			}
 		}},
 		{"breaker open", func(t *testing.T, s *Scheduler, home string) {
 			a := s.Begin(Request{Model: "m", SessionKey: "s"})
@@ -277,6 +281,43 @@ func TestAffinityLeavesUnavailableEndpoint(t *testing.T) {
 			// The success re-mapped the session.
 			if c2 := do(t, s, Request{Model: "m", SessionKey: "s"}, ok200); c2.EndpointID != c.EndpointID || c2.Affinity != AffinityHit {
 				t.Fatalf("after re-mapping got %+v, want a hit on %s", c2, c.EndpointID)
+			}
+		})
+	}
+}
+
+func TestAffinityCapacity(t *testing.T) {
+	for _, tt := range []struct {
+		factor   float64
+		capacity int
+		hits     int // affinity hits admitted with nothing reported
+	}{
+		{0, 2, 4}, {1, 2, 2}, {1.5, 3, 5}, {0, 0, 50},
+	} {
+		t.Run(fmt.Sprintf("factor=%v/capacity=%d", tt.factor, tt.capacity), func(t *testing.T) {
+			s, _ := newTest(t, Config{AffinityCapacity: tt.factor},
+				Endpoint{ID: "a", Models: []string{"m"}, Capacity: tt.capacity},
+				Endpoint{ID: "b", Models: []string{"m"}, Capacity: 1000})
+			s.Upsert(Endpoint{ID: "b", Models: []string{"m"}, Disabled: true})
+			do(t, s, Request{Model: "m", SessionKey: "s"}, ok200)
+			s.Upsert(Endpoint{ID: "b", Models: []string{"m"}, Capacity: 1000})
+			for i := range tt.hits {
+				c := mustPick(t, s.Begin(Request{Model: "m", SessionKey: "s"}))
+				if c.EndpointID != "a" || c.Affinity != AffinityHit {
+					t.Fatalf("request %d: %+v, want a hit on a", i, c)
+				}
+				// New sessions never go beyond the capacity itself.
+				if n := status(t, s, "a").InFlight; tt.capacity > 0 && n >= tt.capacity {
+					if c := mustPick(t, s.Begin(Request{Model: "m", SessionKey: fmt.Sprint("new", i)})); c.EndpointID != "b" {
+						t.Fatalf("new session placed on a with %d in flight of %d", n, tt.capacity)
+					}
+				}
+			}
+			if tt.capacity == 0 {
+				return
+			}
+			if c := mustPick(t, s.Begin(Request{Model: "m", SessionKey: "s"})); c.EndpointID != "b" || c.Affinity != AffinityMiss {
+				t.Fatalf("beyond the affinity capacity: %+v, want a miss on b", c)
 			}
 		})
 	}
