@@ -247,6 +247,7 @@ func (a *Attempt) Pick() (Choice, error) {
 		}
 	}
 	e.inFlight++
+	s.inFlight++
 	e.requests++
 	if e.br == BreakerHalfOpen {
 		e.probes++
@@ -312,6 +313,7 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 	e := p.e
 	now := s.now()
 	e.inFlight--
+	s.inFlight--
 	w := 1 / s.decayNow(now) // one outcome, in stored units
 	current := p.gen == e.brGen
 	if p.probe && current && e.br == BreakerHalfOpen {

@@ -76,6 +76,9 @@ type EndpointStatus struct {
 	// InFlight is the number of picked, not yet reported requests; Probes
 	// is how many of them are half-open probes.
 	InFlight, Probes int
+	// Sessions is the number of sessions mapped to the endpoint (expired
+	// ones until they are purged).
+	Sessions int
 	// Requests counts every pick; it ends the cold start.
 	Requests uint64
 	// Lifetime counts of reported outcomes by class.
@@ -105,6 +108,7 @@ type endpoint struct {
 	capacity  int
 	affCap    int // capacity for affinity hits: ceil(capacity × AffinityCapacity)
 	inFlight  int
+	sessions  int // session table entries mapped here (expired ones until purged)
 	probes    int // half-open probes in flight in the current breaker phase
 	requests  uint64
 	openUntil int64
@@ -179,25 +183,41 @@ func (e *endpoint) close() {
 	e.brOK, e.brBad = 0, 0
 }
 
-// load is the endpoint's busyness: the larger of our own in-flight count and
-// the engine's running requests (gossip lags, and the engine's count
-// includes ours), plus the engine's queue.
-func (e *endpoint) load() int {
-	return max(e.inFlight, e.health.Running) + max(e.health.Waiting, 0)
+// load is the endpoint's expected busyness: the largest of our own in-flight
+// count, the engine's running requests (gossip lags, and the engine's count
+// includes ours) and duty × the sessions mapped here (the requests those
+// sessions will keep sending, with duty the cluster-wide share of sessions
+// that have a request in flight), plus the engine's queue.
+func (e *endpoint) load(duty float64) float64 {
+	return max(float64(max(e.inFlight, e.health.Running)), duty*float64(e.sessions)) + float64(max(e.health.Waiting, 0))
+}
+
+// scoreCtx is what a score needs beyond the endpoint, computed once per
+// pick.
+type scoreCtx struct {
+	decay float64 // Scheduler.decayNow's factor
+	duty  float64 // in-flight requests per live session, at most 1
+}
+
+func (s *Scheduler) scoreContext(now int64) scoreCtx {
+	c := scoreCtx{decay: s.decayNow(now)}
+	if n := s.sessions.len(); n > 0 {
+		c.duty = min(float64(s.inFlight)/float64(n), 1)
+	}
+	return c
 }
 
 // minLoadFactor keeps a full endpoint's score positive, so ordering among
 // full endpoints still follows the other factors.
 const minLoadFactor = 0.01
 
-// score is the sticky policy's score; see the package doc. f is
-// Scheduler.decayNow's factor.
-func (s *Scheduler) score(e *endpoint, f float64) float64 {
+// score is the sticky policy's score; see the package doc.
+func (s *Scheduler) score(e *endpoint, c scoreCtx) float64 {
 	if e.requests < s.coldStart {
 		return e.weight
 	}
-	sr := e.successRate(f)
-	load := float64(e.load())
+	sr := e.successRate(c.decay)
+	load := e.load(c.duty)
 	var lf float64
 	if e.capacity > 0 {
 		lf = max(1-load/float64(e.capacity), minLoadFactor)

@@ -63,7 +63,7 @@ func compareScores(a, b float64) int {
 func (a *Attempt) pickScored(g *group, now int64) *endpoint {
 	sel := selector{s: a.s, byInFlight: true}
 	clean := len(a.dead)+len(a.used)+len(a.failed) == 0
-	f := a.s.decayNow(now)
+	sc := a.s.scoreContext(now)
 	for _, e := range g.eps {
 		// Fast path for the common case, equivalent to admit: a closed
 		// breaker, no exclusions in this attempt, a free slot.
@@ -75,7 +75,7 @@ func (a *Attempt) pickScored(g *group, now int64) *endpoint {
 		if !ok {
 			continue
 		}
-		score := a.s.score(e, f)
+		score := a.s.score(e, sc)
 		if sel.best != nil && avoid == sel.avoid && score < sel.score*(1-2*scoreEpsilon) {
 			continue // clearly worse: skip the full comparison
 		}

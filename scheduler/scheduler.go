@@ -26,6 +26,7 @@ type Scheduler struct {
 	sessions  *sessionTable
 	rng       *rand.Rand
 	seq       uint64 // numbers choices, so a Report is matched to its Pick
+	inFlight  int    // picks not yet reported, over all endpoints
 
 	// Decayed counts are stored in units that make decay one shared
 	// factor: an outcome at time t adds 2^((t-decayBase)/halfLife), and a
@@ -239,7 +240,7 @@ func (s *Scheduler) Snapshot() []EndpointStatus {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.now()
-	f := s.decayNow(now)
+	sc := s.scoreContext(now)
 	out := make([]EndpointStatus, 0, len(s.endpoints))
 	for _, e := range s.endpoints {
 		st := EndpointStatus{
@@ -257,10 +258,11 @@ func (s *Scheduler) Snapshot() []EndpointStatus {
 			RateLimited:  e.rateLimited,
 			Failures:     e.failures,
 			ClientFaults: e.clientFaults,
-			SuccessRate:  e.successRate(f),
+			SuccessRate:  e.successRate(sc.decay),
+			Sessions:     e.sessions,
 			Breaker:      e.breakerState(now),
 			ColdStart:    e.requests < s.coldStart,
-			Score:        s.score(e, f),
+			Score:        s.score(e, sc),
 		}
 		if e.hasEWMA {
 			st.EWMALatency = time.Duration(e.ewma)

@@ -53,6 +53,10 @@ func (t *sessionTable) lookup(key string, now int64) *endpoint {
 func (t *sessionTable) touch(key string, ep *endpoint, now int64) {
 	if i, ok := t.index[key]; ok {
 		en := &t.ents[i]
+		if en.ep != ep {
+			en.ep.sessions--
+			ep.sessions++
+		}
 		en.ep = ep
 		en.last = now
 		t.unlink(i)
@@ -72,6 +76,7 @@ func (t *sessionTable) touch(key string, ep *endpoint, now int64) {
 		i = int32(len(t.ents) - 1)
 	}
 	t.ents[i] = sessionEntry{key: key, ep: ep, last: now}
+	ep.sessions++
 	t.index[key] = i
 	t.pushFront(i)
 }
@@ -96,6 +101,7 @@ func (t *sessionTable) purge(now int64) {
 
 func (t *sessionTable) delete(i int32) {
 	t.unlink(i)
+	t.ents[i].ep.sessions--
 	delete(t.index, t.ents[i].key)
 	t.ents[i] = sessionEntry{next: t.free, prev: -1}
 	t.free = i

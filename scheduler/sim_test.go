@@ -53,6 +53,12 @@ func (q *simQueue) Pop() any {
 // otherwise. Sessions arrive every 400 ms on average. Picks refused for
 // capacity are retried 200 ms later, as a relay would queue them.
 func simulate(t *testing.T, p Policy, engines, capacity, sessions int, seed uint64) simResult {
+	return simulateWith(t, p, engines, capacity, sessions, seed, 400*time.Millisecond, 2*time.Second, 9)
+}
+
+// simulateWith is simulate with the mean gap between session arrivals and
+// the think time between turns (min, plus up to spread-1 seconds) given.
+func simulateWith(t *testing.T, p Policy, engines, capacity, sessions int, seed uint64, gap, think time.Duration, spread int) simResult {
 	s, clk := newTest(t, Config{Policy: p, Seed: int64(seed)})
 	for i := range engines {
 		s.Upsert(Endpoint{ID: fmt.Sprint("engine-", i), Models: []string{"m"}, Capacity: capacity})
@@ -64,7 +70,7 @@ func simulate(t *testing.T, p Policy, engines, capacity, sessions int, seed uint
 	var q simQueue
 	var at time.Duration
 	for i := range sessions {
-		at += time.Duration(rng.ExpFloat64() * float64(400*time.Millisecond))
+		at += time.Duration(rng.ExpFloat64() * float64(gap))
 		turnsLeft[i] = 2 + rng.IntN(15)
 		heap.Push(&q, simEvent{at: at, sess: i})
 	}
@@ -81,7 +87,7 @@ func simulate(t *testing.T, p Policy, engines, capacity, sessions int, seed uint
 			ev.att.Report(ev.c, Outcome{Status: 200, Latency: lat})
 			last[ev.sess] = ev.c.EndpointID
 			if turnsLeft[ev.sess]--; turnsLeft[ev.sess] > 0 {
-				think := time.Duration(2+rng.IntN(9)) * time.Second
+				think := think + time.Duration(rng.IntN(spread))*time.Second
 				heap.Push(&q, simEvent{at: ev.at + lat + think, sess: ev.sess})
 			}
 			continue
