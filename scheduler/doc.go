@@ -118,15 +118,25 @@
 // 429 is handled by the breaker, and a client's bad request says nothing
 // about the endpoint.
 //
-// loadFactor uses load = max(in flight, Health.Running) + Health.Waiting:
-// our own in-flight count is exact and immediate, gossip is late and
-// includes our requests, and the engine's queue is work ahead of ours. With
-// a capacity, loadFactor = max(1 - load/Capacity, 0.01), the free share of
-// the endpoint; without one, 1/(1+load). It is then multiplied by
+// loadFactor uses an expected load:
+//
+//	load = max(in flight, Health.Running, duty × sessions) + Health.Waiting
+//
+// Our own in-flight count is exact and immediate; gossip is late and
+// includes our requests; the engine's queue is work ahead of ours.
+// sessions is the number of live sessions mapped to the endpoint and duty
+// the cluster-wide share of sessions with a request in flight (in-flight
+// requests over live sessions, at most 1): between turns a chat session has
+// nothing in flight, yet it will come back to this endpoint, so duty ×
+// sessions is the load the endpoint's sessions keep sending. With a
+// capacity, loadFactor = max(1 - load/Capacity, 0.01), the free share of the
+// endpoint; without one, 1/(1+load). It is then multiplied by
 // (1 - KVCacheUsage/2), so an engine whose cache is full receives fewer new
 // sessions (each would evict someone else's prefix). Because the in-flight
-// count rises at the moment of the pick, consecutive new sessions spread
-// over endpoints instead of herding onto the current best.
+// count rises at the moment of the pick, a burst of new sessions spreads
+// over the endpoints instead of herding onto the current best, and because
+// mapped sessions count, sessions arriving one by one between other
+// sessions' turns spread too.
 //
 // latencyFactor = 1 + ewma/Config.LatencyScale (1 second), where ewma is
 // the moving average ema = (1-a)·ema + a·sample with a = Config.EWMAAlpha

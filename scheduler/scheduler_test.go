@@ -742,6 +742,35 @@ func TestNoHerding(t *testing.T) {
 	}
 }
 
+func TestMappedSessionsCountAsLoad(t *testing.T) {
+	s, _ := newTest(t, Config{ColdStartSamples: 1}, ep("a"), ep("b"), ep("c", "x"))
+	place := func(id, key string) {
+		t.Helper()
+		other := map[string]string{"a": "b", "b": "a"}[id]
+		s.Upsert(Endpoint{ID: other, Models: []string{"m"}, Disabled: true})
+		do(t, s, Request{Model: "m", SessionKey: key}, ok200)
+		s.Upsert(ep(other))
+	}
+	for i := range 9 {
+		place("a", fmt.Sprint("a", i))
+	}
+	place("b", "b0")
+	if a, b := status(t, s, "a").Sessions, status(t, s, "b").Sessions; a != 9 || b != 1 {
+		t.Fatalf("sessions a=%d b=%d, want 9 and 1", a, b)
+	}
+	for range 5 { // five requests in flight over ten sessions: duty 0.5
+		mustPick(t, s.Begin(Request{Model: "x"}))
+	}
+	// a's expected load is at least 4.5 (duty only grows as requests are
+	// picked), b's 0.5: new sessions go to b while its in-flight count
+	// stays below that, though both endpoints have nothing in flight.
+	for i := range 4 {
+		if c := mustPick(t, s.Begin(Request{Model: "m", SessionKey: fmt.Sprint("new", i)})); c.EndpointID != "b" {
+			t.Fatalf("new session %d went to %s, want b", i, c.EndpointID)
+		}
+	}
+}
+
 func TestTiesBrokenRandomly(t *testing.T) {
 	s, _ := newTest(t, Config{}, ep("a"), ep("b"), ep("c"))
 	count := map[string]int{}

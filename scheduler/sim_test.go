@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 )
@@ -139,10 +140,15 @@ func TestStickyMultiTurnChat(t *testing.T) {
 		{"4 engines, capacity 8", 4, 8, 300},
 		{"8 engines, capacity 2", 8, 2, 400},
 		{"3 engines, capacity 3 under pressure", 3, 3, 400},
+		{"4 engines, sparse arrivals, long thinking", 4, 0, 100},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
+			gap, think, spread := 400*time.Millisecond, 2*time.Second, 9
+			if strings.Contains(tt.name, "sparse") {
+				gap, think, spread = 3*time.Second, time.Second, 20
+			}
 			for seed := uint64(1); seed <= 3; seed++ {
-				r := simulate(t, PolicySticky, tt.engines, tt.capacity, tt.sessions, seed)
+				r := simulateWith(t, PolicySticky, tt.engines, tt.capacity, tt.sessions, seed, gap, think, spread)
 				hit, oracle := float64(r.cacheHits)/float64(r.total), float64(r.followUps)/float64(r.total)
 				t.Logf("seed %d: sticky hit ratio %.3f, oracle %.3f (%.1f%%), imbalance %.3f, refused picks %d",
 					seed, hit, oracle, 100*hit/oracle, r.imbalance(), r.refused)
