@@ -37,7 +37,7 @@ type engine struct {
 	last   http.Header                                               // guarded by mu
 }
 
-func newEngine(t *testing.T, name string) *engine {
+func newEngine(t testing.TB, name string) *engine {
 	e := &engine{name: name}
 	e.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		e.hits.Add(1)
@@ -108,7 +108,7 @@ type fakeTransport struct {
 	down map[string]bool
 }
 
-func newFakeTransport(t *testing.T) *fakeTransport {
+func newFakeTransport(t testing.TB) *fakeTransport {
 	ft := &fakeTransport{base: &http.Transport{}, to: map[string]*url.URL{}, down: map[string]bool{}}
 	t.Cleanup(ft.base.CloseIdleConnections)
 	return ft
@@ -142,7 +142,7 @@ func (ft *fakeTransport) setDown(p peer.ID, down bool) {
 
 // testbed is a relay without libp2p in front of fake engines.
 type testbed struct {
-	t       *testing.T
+	t       testing.TB
 	relay   *Relay
 	srv     *httptest.Server
 	ft      *fakeTransport
@@ -170,7 +170,7 @@ func (s *syncBuffer) String() string {
 
 // newTestbed starts a relay with agents named after engines, all serving
 // model "m1". edit may change the Config before New.
-func newTestbed(t *testing.T, names []string, edit func(*Config)) *testbed {
+func newTestbed(t testing.TB, names []string, edit func(*Config)) *testbed {
 	t.Helper()
 	tb := &testbed{t: t, ft: newFakeTransport(t), engines: map[string]*engine{}, peers: map[string]peer.ID{}, logs: &syncBuffer{}}
 	cfg := Config{

@@ -1,0 +1,77 @@
+package relay
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestOpenAINodeClient drives the relay with the official OpenAI client for
+// Node (npm "openai"), installed into a temporary directory. It is skipped,
+// with the reason, when node or npm is missing or the registry is out of
+// reach.
+func TestOpenAINodeClient(t *testing.T) {
+	if testing.Short() {
+		t.Skip("skipped in -short mode: installs the npm package openai")
+	}
+	node, err := exec.LookPath("node")
+	if err != nil {
+		t.Skip("node is not installed; skipping the OpenAI Node client test")
+	}
+	npm, err := exec.LookPath("npm")
+	if err != nil {
+		t.Skip("npm is not installed; skipping the OpenAI Node client test")
+	}
+	dir := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	install := exec.CommandContext(ctx, npm, "install", "--prefix", dir, "--no-audit", "--no-fund", "--loglevel=error", "openai")
+	install.Env = append(os.Environ(), "npm_config_update_notifier=false")
+	if out, err := install.CombinedOutput(); err != nil {
+		t.Skipf("npm install openai failed (registry unavailable?); skipping: %v\n%s", err, out)
+	}
+
+	tb := newTestbed(t, []string{"a", "b"}, nil)
+	script, err := filepath.Abs(filepath.Join("testdata", "openai_client.mjs"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.CommandContext(ctx, node, script, dir)
+	cmd.Env = append(os.Environ(), "RELAY_URL="+tb.srv.URL, "API_KEY="+testKey, "MODEL=m1")
+	out, err := cmd.Output()
+	if err != nil {
+		var stderr string
+		if ee, ok := err.(*exec.ExitError); ok {
+			stderr = string(ee.Stderr)
+		}
+		t.Fatalf("node client: %v\n%s\n%s", err, out, stderr)
+	}
+	var got struct {
+		Content, Agent, Streamed string
+		Chunks                   int
+		Models                   []string
+		AuthError, ModelError    string
+	}
+	if err := json.Unmarshal(out, &got); err != nil {
+		t.Fatalf("node output %q: %v", out, err)
+	}
+	t.Logf("node client saw %+v", got)
+	if !strings.HasPrefix(got.Content, "hello from ") || got.Agent == "" {
+		t.Errorf("non-streamed: content %q agent %q", got.Content, got.Agent)
+	}
+	// Same session (header, then prompt_cache_key): same agent.
+	if got.Streamed != got.Content || got.Chunks != 3 {
+		t.Errorf("streamed %q in %d chunks, want %q in 3", got.Streamed, got.Chunks, got.Content)
+	}
+	if strings.Join(got.Models, ",") != "m1" {
+		t.Errorf("models %v", got.Models)
+	}
+	if got.AuthError != "401 invalid_api_key" || got.ModelError != "404 model_not_found" {
+		t.Errorf("errors as the SDK sees them: auth %q, model %q", got.AuthError, got.ModelError)
+	}
+}
