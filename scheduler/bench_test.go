@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"strconv"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -32,17 +31,6 @@ func benchScheduler(b *testing.B, n int) *Scheduler {
 	}
 	s.mu.Unlock()
 	return s
-}
-
-// cpuTime is the process's CPU time. Benchmarks report it per operation as
-// cpu-ns/op next to wall time, because on a shared, loaded machine wall time
-// also counts the time the benchmark waited for a core.
-func cpuTime() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // measure runs f as the benchmark loop and reports cpu-ns/op.
