@@ -205,6 +205,7 @@ const (
 type seq struct {
 	req       *Request
 	hashes    []BlockHash // full blocks of the prompt
+	at        []int32     // cache node of each block when last seen, or -1
 	state     seqState
 	cached    int
 	remaining float64 // prefill tokens still to compute (statePrefill)
@@ -339,13 +340,13 @@ func (e *Engine) Cancel(now time.Time, id uint64) bool {
 			}
 		}
 		done := len(s.req.Tokens) - int(math.Ceil(s.remaining))
-		e.cache.touch(s.hashes[:done/bs])
+		e.cache.touchAt(s.hashes[:done/bs], s.at[:done/bs])
 		e.running--
 	case stateDecode:
 		heap.Remove(&e.decoding, s.heapIdx)
 		g := e.generated(s)
 		out := answerTokens(answerWords(e.cfg.Seed, e.answerKey(s), s.req.MaxTokens))[:g]
-		e.cache.touch(e.extendHashes(s, out))
+		e.touchAnswer(s, out)
 		e.stats.GenerationTokens += uint64(g)
 		e.running--
 	}
@@ -445,8 +446,12 @@ func (e *Engine) Stats() Stats {
 func (e *Engine) admit(s *seq) {
 	n := len(s.req.Tokens)
 	maxHit := (n - 1) / e.cfg.BlockSize
-	hit := e.cache.lookup(s.hashes[:min(maxHit, len(s.hashes))])
-	e.cache.touch(s.hashes[:hit])
+	s.at = make([]int32, len(s.hashes))
+	for i := range s.at {
+		s.at[i] = -1
+	}
+	hit := e.cache.lookupInto(s.hashes[:min(maxHit, len(s.hashes))], s.at)
+	e.cache.touchAt(s.hashes[:hit], s.at[:hit])
 	s.cached = hit * e.cfg.BlockSize
 	s.remaining = float64(n - s.cached)
 	s.state = statePrefill
@@ -561,7 +566,7 @@ func (e *Engine) finishPrefill(s *seq) {
 	if len(e.prefill) == 0 {
 		e.prefill = nil
 	}
-	e.cache.touch(s.hashes)
+	e.cache.touchAt(s.hashes, s.at)
 	n := len(s.req.Tokens)
 	e.pending = append(e.pending, Event{
 		Kind: EventFirstToken, At: e.now, ID: s.req.ID,
@@ -580,7 +585,7 @@ func (e *Engine) finish(s *seq) {
 	heap.Remove(&e.decoding, s.heapIdx)
 	e.running--
 	out := answerTokens(answerWords(e.cfg.Seed, e.answerKey(s), s.req.MaxTokens))
-	e.cache.touch(e.extendHashes(s, out))
+	e.touchAnswer(s, out)
 	n := len(s.req.Tokens)
 	e.pending = append(e.pending, Event{
 		Kind: EventDone, At: e.now, ID: s.req.ID,
@@ -592,6 +597,16 @@ func (e *Engine) finish(s *seq) {
 	s.state = stateGone
 	delete(e.seqs, s.req.ID)
 	e.fill()
+}
+
+// touchAnswer caches the full blocks of s's prompt followed by out.
+func (e *Engine) touchAnswer(s *seq, out []Token) {
+	full := e.extendHashes(s, out)
+	at := make([]int32, len(full))
+	for i := copy(at, s.at); i < len(at); i++ {
+		at[i] = -1
+	}
+	e.cache.touchAt(full, at)
 }
 
 // generated returns the tokens s has produced so far.
