@@ -106,7 +106,8 @@ type endpoint struct {
 	hasEWMA   bool
 	br        BreakerState
 	capacity  int
-	affCap    int // capacity for affinity hits: ceil(capacity × AffinityCapacity)
+	affCap    int     // capacity for affinity hits: ceil(capacity × AffinityCapacity)
+	invCap    float64 // 1/capacity, 0 when unlimited
 	inFlight  int
 	sessions  int // session table entries mapped here (expired ones until purged)
 	probes    int // half-open probes in flight in the current breaker phase
@@ -183,15 +184,6 @@ func (e *endpoint) close() {
 	e.brOK, e.brBad = 0, 0
 }
 
-// load is the endpoint's expected busyness: the largest of our own in-flight
-// count, the engine's running requests (gossip lags, and the engine's count
-// includes ours) and duty × the sessions mapped here (the requests those
-// sessions will keep sending, with duty the cluster-wide share of sessions
-// that have a request in flight), plus the engine's queue.
-func (e *endpoint) load(duty float64) float64 {
-	return max(float64(max(e.inFlight, e.health.Running)), duty*float64(e.sessions)) + float64(max(e.health.Waiting, 0))
-}
-
 // scoreCtx is what a score needs beyond the endpoint, computed once per
 // pick.
 type scoreCtx struct {
@@ -211,25 +203,43 @@ func (s *Scheduler) scoreContext(now int64) scoreCtx {
 // full endpoints still follows the other factors.
 const minLoadFactor = 0.01
 
-// score is the sticky policy's score; see the package doc.
+// score is the sticky policy's score; see the package doc. It runs once
+// per candidate endpoint per pick, so it is written with one division and
+// no float min/max (which handle NaN and cost more).
+//
+// The expected load is the largest of our own in-flight count, the
+// engine's running requests (gossip lags, and the engine's count includes
+// ours) and duty × the sessions mapped here, plus the engine's queue.
 func (s *Scheduler) score(e *endpoint, c scoreCtx) float64 {
 	if e.requests < s.coldStart {
 		return e.weight
 	}
-	sr := e.successRate(c.decay)
-	load := e.load(c.duty)
-	var lf float64
-	if e.capacity > 0 {
-		lf = max(1-load/float64(e.capacity), minLoadFactor)
-	} else {
-		lf = 1 / (1 + load)
+	running := e.inFlight
+	if e.health.Running > running {
+		running = e.health.Running
 	}
-	lf *= 1 - e.health.KVCacheUsage/2
-	lat := 1.0
+	load := float64(running)
+	if x := c.duty * float64(e.sessions); x > load {
+		load = x
+	}
+	load += float64(e.health.Waiting)
+
+	// weight × successRate × loadFactor / latencyFactor as num/den.
+	num := e.weight * (e.good*c.decay + 1) * (1 - 0.5*e.health.KVCacheUsage)
+	den := (e.good+e.bad)*c.decay + 1
 	if e.hasEWMA {
-		lat += e.ewma * s.invLatScale
+		den *= 1 + e.ewma*s.invLatScale
 	}
-	return e.weight * sr * lf / lat
+	if e.capacity > 0 {
+		lf := 1 - load*e.invCap
+		if lf < minLoadFactor {
+			lf = minLoadFactor
+		}
+		num *= lf
+	} else {
+		den *= 1 + load
+	}
+	return num / den
 }
 
 // engineSaturated reports whether the engine says it cannot take more work

@@ -136,6 +136,10 @@ func (s *Scheduler) Upsert(ep Endpoint) {
 	weightChanged := e.weight != weight
 	e.models, e.weight, e.capacity, e.disabled = models, weight, capacity, ep.Disabled
 	e.affCap = int(math.Ceil(float64(capacity) * s.cfg.AffinityCapacity))
+	e.invCap = 0
+	if capacity > 0 {
+		e.invCap = 1 / float64(capacity)
+	}
 	for _, m := range models {
 		if _, ok := slices.BinarySearch(old, m); !ok {
 			s.join(m, e)
