@@ -1,0 +1,378 @@
+package relay_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/transport"
+)
+
+// These tests run the real parts over QUIC on 127.0.0.1: a relay with its
+// libp2p host, agents that join it with the token, and httptest engines
+// that speak the OpenAI API.
+
+const (
+	itToken = "join-secret-for-tests"
+	itKey   = "sk-integration"
+)
+
+// itEngine is an OpenAI-compatible httptest engine. Streams send their
+// first event, then wait for release (if set) before finishing.
+type itEngine struct {
+	name    string
+	srv     *httptest.Server
+	hits    atomic.Int64
+	release chan struct{} // nil: stream without waiting
+	done    chan struct{} // closed when a stream handler returns (if release set)
+	models  []string
+}
+
+func newITEngine(t testing.TB, name string, models ...string) *itEngine {
+	e := &itEngine{name: name, models: models}
+	e.srv = httptest.NewServer(http.HandlerFunc(e.serve))
+	t.Cleanup(e.srv.Close)
+	return e
+}
+
+func (e *itEngine) serve(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path == "/v1/models" {
+		var data []string
+		for _, m := range e.models {
+			data = append(data, fmt.Sprintf(`{"id":%q,"object":"model","owned_by":"test"}`, m))
+		}
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"object":"list","data":[%s]}`, strings.Join(data, ","))
+		return
+	}
+	e.hits.Add(1)
+	var req struct {
+		Model  string `json:"model"`
+		Stream bool   `json:"stream"`
+	}
+	_ = json.NewDecoder(r.Body).Decode(&req)
+	if !req.Stream {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"id":"x","object":"chat.completion","model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":"hello from %s"},"finish_reason":"stop"}]}`, req.Model, e.name)
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hello\"}}]}\n\n")
+	w.(http.Flusher).Flush()
+	if e.release != nil {
+		defer close(e.done)
+		select {
+		case <-e.release:
+		case <-r.Context().Done():
+			return
+		}
+	}
+	fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\" from %s\"}}]}\n\ndata: [DONE]\n\n", e.name)
+}
+
+// itRelay is a relay serving HTTP on a loopback listener.
+type itRelay struct {
+	r      *relay.Relay
+	url    string
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func startRelay(t testing.TB, identity string, p2pAddr string) *itRelay {
+	t.Helper()
+	if p2pAddr == "" {
+		p2pAddr = "/ip4/127.0.0.1/udp/0/quic-v1"
+	}
+	r, err := relay.New(relay.Config{
+		P2PListen:    []string{p2pAddr},
+		IdentityFile: identity,
+		Token:        []byte(itToken),
+		APIKeys:      []string{itKey},
+		Logger:       zerolog.New(io.Discard),
+		MaxAttempts:  3,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ir := &itRelay{r: r, url: "http://" + ln.Addr().String(), cancel: cancel, done: make(chan error, 1)}
+	go func() { ir.done <- r.Serve(ctx, ln) }()
+	t.Cleanup(ir.stop)
+	return ir
+}
+
+func (ir *itRelay) stop() {
+	if ir.cancel == nil {
+		return
+	}
+	ir.cancel()
+	<-ir.done
+	ir.cancel = nil
+}
+
+func (ir *itRelay) info() peer.AddrInfo {
+	return peer.AddrInfo{ID: ir.r.Host().ID(), Addrs: ir.r.Host().Addrs()}
+}
+
+func newHost(t testing.TB) host.Host {
+	t.Helper()
+	h, err := transport.NewHost(transport.HostConfig{ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = h.Close() })
+	return h
+}
+
+// waitFor polls cond until it holds or a generous deadline passes.
+func waitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+type client struct {
+	t   testing.TB
+	url string
+	hc  *http.Client
+}
+
+func newClient(t testing.TB, url string) *client {
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &client{t: t, url: url, hc: &http.Client{Transport: tr, Timeout: time.Minute}}
+}
+
+func (c *client) post(path, body string, hdr ...string) (*http.Response, error) {
+	req, _ := http.NewRequest("POST", c.url+path, strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+itKey)
+	req.Header.Set("Content-Type", "application/json")
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	return c.hc.Do(req)
+}
+
+// chat returns the status and serving agent of a non-streamed completion.
+func (c *client) chat(model, session string) (int, string) {
+	c.t.Helper()
+	resp, err := c.post("/v1/chat/completions", `{"model":"`+model+`","messages":[{"role":"user","content":"hi"}]}`, "X-Session-ID", session)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	_, _ = io.Copy(io.Discard, resp.Body)
+	return resp.StatusCode, resp.Header.Get(relay.HeaderAgent)
+}
+
+func (c *client) models() []string {
+	c.t.Helper()
+	req, _ := http.NewRequest("GET", c.url+"/v1/models", nil)
+	req.Header.Set("Authorization", "Bearer "+itKey)
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var list struct{ Data []struct{ ID string } }
+	_ = json.NewDecoder(resp.Body).Decode(&list)
+	var ids []string
+	for _, m := range list.Data {
+		ids = append(ids, m.ID)
+	}
+	return ids
+}
+
+func TestIntegrationRouting(t *testing.T) {
+	rl := startRelay(t, "", "")
+	engines := map[string]*itEngine{}
+	agents := map[string]*itAgent{}
+	for _, n := range []string{"a", "b", "c"} {
+		models := []string{"m1"}
+		if n == "c" {
+			models = append(models, "only-c")
+		}
+		engines[n] = newITEngine(t, n, models...)
+		agents[n] = startAgent(t, rl, n, engines[n])
+	}
+	c := newClient(t, rl.url)
+	waitFor(t, "3 agents routable", func() bool { return len(c.models()) == 2 })
+
+	t.Run("sessions spread", func(t *testing.T) {
+		seen := map[string]int{}
+		for i := 0; i < 30; i++ {
+			status, agent := c.chat("m1", fmt.Sprintf("spread-%d", i))
+			if status != 200 {
+				t.Fatal(status)
+			}
+			seen[agent]++
+		}
+		t.Logf("30 new sessions: %v", seen)
+		for a, n := range seen {
+			if n > 20 {
+				t.Errorf("agent %s took %d of 30 new sessions: %v", a, n, seen)
+			}
+		}
+	})
+	t.Run("same session, same agent", func(t *testing.T) {
+		var first string
+		for i := 0; i < 20; i++ {
+			status, agent := c.chat("m1", "it-session")
+			if status != 200 {
+				t.Fatalf("request %d: %d", i, status)
+			}
+			if i == 0 {
+				first = agent
+			} else if agent != first {
+				t.Fatalf("request %d on %s, session began on %s", i, agent, first)
+			}
+		}
+	})
+	t.Run("stream first event before the engine finishes", func(t *testing.T) {
+		e := engines["a"]
+		e.release, e.done = make(chan struct{}), make(chan struct{})
+		defer func() { e.release = nil }()
+		// Pin the stream to "a" through its only model... all agents serve m1,
+		// so find a session that lands on "a".
+		var session string
+		for i := 0; i < 50 && session == ""; i++ {
+			s := fmt.Sprintf("pin-%d", i)
+			if _, agent := c.chat("m1", s); agent == "a" {
+				session = s
+			}
+		}
+		if session == "" {
+			t.Fatal("no session landed on agent a")
+		}
+		resp, err := c.post("/v1/chat/completions", `{"model":"m1","stream":true}`, "X-Session-ID", session)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		br := bufio.NewReader(resp.Body)
+		line, err := br.ReadString('\n')
+		if err != nil || !strings.Contains(line, "hello") || resp.Header.Get(relay.HeaderAgent) != "a" {
+			t.Fatalf("first line %q %v from %q", line, err, resp.Header.Get(relay.HeaderAgent))
+		}
+		select {
+		case <-e.done:
+			t.Fatal("engine finished before the first event reached the client")
+		default:
+		}
+		close(e.release)
+		rest, _ := io.ReadAll(br)
+		if !strings.Contains(string(rest), "[DONE]") {
+			t.Errorf("rest %q", rest)
+		}
+	})
+	t.Run("agent host closed mid-run", func(t *testing.T) {
+		// Sessions spread over all three; then c's host goes away without
+		// leaving. Every following request must succeed on a or b.
+		for i := 0; i < 9; i++ {
+			c.chat("m1", fmt.Sprintf("mid-%d", i))
+		}
+		agents["c"].kill()
+		for i := 0; i < 30; i++ {
+			status, agent := c.chat("m1", fmt.Sprintf("mid-%d", i%9))
+			if status != 200 || agent == "c" {
+				t.Fatalf("request %d after c died: %d from %q", i, status, agent)
+			}
+		}
+		waitFor(t, "only-c dropped from /v1/models", func() bool {
+			return strings.Join(c.models(), ",") == "m1"
+		})
+		if _, ok := rl.r.Registry().Peer("c"); ok {
+			t.Error("c still registered")
+		}
+		status, _ := c.chat("only-c", "x")
+		if status != 404 {
+			t.Errorf("model only c served: %d, want 404", status)
+		}
+	})
+}
+
+func TestIntegrationJoinSecurity(t *testing.T) {
+	rl := startRelay(t, "", "")
+	e := newITEngine(t, "a", "m1")
+	a := startAgent(t, rl, "a", e)
+	c := newClient(t, rl.url)
+	waitFor(t, "agent a routable", func() bool { return len(c.models()) == 1 })
+
+	t.Run("wrong token cannot join", func(t *testing.T) {
+		h := newHost(t)
+		if err := h.Connect(context.Background(), rl.info()); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		m, err := transport.Join(ctx, h, rl.r.Host().ID(), []byte("not-the-token"), transport.JoinInfo{Name: "evil", Models: []string{"evil"}})
+		if err == nil {
+			m.Close()
+			t.Fatal("joined with a wrong token")
+		}
+		if _, ok := rl.r.Registry().Peer("evil"); ok {
+			t.Error("registry holds the intruder")
+		}
+	})
+	t.Run("taken name", func(t *testing.T) {
+		h := newHost(t)
+		if err := h.Connect(context.Background(), rl.info()); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		m, err := transport.Join(ctx, h, rl.r.Host().ID(), []byte(itToken), transport.JoinInfo{Name: "a", Models: []string{"stolen"}})
+		if err == nil {
+			m.Close()
+			t.Fatal("a second peer took the name a")
+		}
+		if !errors.Is(err, transport.ErrRejected) {
+			t.Errorf("err = %v, want a rejection", err)
+		}
+		if p, _ := rl.r.Registry().Peer("a"); p != a.id() {
+			t.Errorf("name a bound to %s", p)
+		}
+		if got := strings.Join(c.models(), ","); got != "m1" {
+			t.Errorf("models %s", got)
+		}
+	})
+	t.Run("agent refuses streams from a peer that is not its relay", func(t *testing.T) {
+		h := newHost(t)
+		if err := h.Connect(context.Background(), peer.AddrInfo{ID: a.id(), Addrs: a.addrs()}); err != nil {
+			t.Fatal(err)
+		}
+		hc := &http.Client{Transport: transport.NewRoundTripper(h), Timeout: 20 * time.Second}
+		resp, err := hc.Post("http://"+a.id().String()+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"m1"}`))
+		if err == nil {
+			resp.Body.Close()
+			t.Fatalf("a stranger got %d from the agent", resp.StatusCode)
+		}
+		if n := e.hits.Load(); n != 0 {
+			t.Errorf("engine saw %d requests", n)
+		}
+	})
+}
