@@ -16,6 +16,7 @@ type Clock interface{ Now() time.Time }
 
 type realClock struct{}
 
+// Now returns time.Now().
 func (realClock) Now() time.Time { return time.Now() }
 
 // Policy selects how a Scheduler chooses among allowed endpoints.

@@ -66,12 +66,12 @@ func (b BreakerState) String() string {
 // EndpointStatus is a point-in-time view of one endpoint, for metrics and
 // debugging.
 type EndpointStatus struct {
-	ID       string
-	Models   []string
-	Weight   float64
-	Capacity int
-	Disabled bool
-	Health   Health
+	ID       string   // the endpoint's ID
+	Models   []string // its models, sorted
+	Weight   float64  // its weight (1 when registered as 0)
+	Capacity int      // its capacity; 0 means unlimited
+	Disabled bool     // whether it is disabled
+	Health   Health   // the last health reported
 
 	// InFlight is the number of picked, not yet reported requests; Probes
 	// is how many of them are half-open probes.
@@ -87,9 +87,10 @@ type EndpointStatus struct {
 	SuccessRate float64
 	// EWMALatency is the moving average latency; 0 before the first sample.
 	EWMALatency time.Duration
-	// Breaker is the breaker state; BreakerUntil is when an open breaker
-	// turns half-open (zero when not open).
-	Breaker      BreakerState
+	// Breaker is the breaker state.
+	Breaker BreakerState
+	// BreakerUntil is when an open breaker turns half-open; zero when the
+	// breaker is not open.
 	BreakerUntil time.Time
 	// ColdStart is true while Requests < Config.ColdStartSamples.
 	ColdStart bool
