@@ -22,15 +22,15 @@ import (
 
 // Defaults for the zero values of Config.
 const (
-	DefaultListen           = "127.0.0.1:8000"
-	DefaultModel            = "computeflux-sim"
-	DefaultTimeScale        = 1.0
-	DefaultMaxTokens        = 50 // 0.5 s of decode alone: the seed table's decode latency
-	DefaultStreamInterval   = 10 * time.Millisecond
-	DefaultMaxBodyBytes     = 32 << 20 // a 256K-token chat history is about 1.3 MB
-	DefaultEmbeddingDims    = 64
-	DefaultShutdownTimeout  = 5 * time.Second
-	defaultReadHeaderTimout = 10 * time.Second
+	DefaultListen            = "127.0.0.1:8000"
+	DefaultModel             = "computeflux-sim"
+	DefaultTimeScale         = 1.0
+	DefaultMaxTokens         = 50 // 0.5 s of decode alone: the seed table's decode latency
+	DefaultStreamInterval    = 10 * time.Millisecond
+	DefaultMaxBodyBytes      = 32 << 20 // a 256K-token chat history is about 1.3 MB
+	DefaultEmbeddingDims     = 64
+	DefaultShutdownTimeout   = 5 * time.Second
+	defaultReadHeaderTimeout = 10 * time.Second
 )
 
 // Config configures a Server. The zero value of every field means its
@@ -211,7 +211,7 @@ func (s *Server) Run(ctx context.Context) error {
 
 	hs := &http.Server{
 		Handler:           s.handler,
-		ReadHeaderTimeout: defaultReadHeaderTimout,
+		ReadHeaderTimeout: defaultReadHeaderTimeout,
 		ErrorLog:          nil,
 	}
 	loopCtx, stopLoop := context.WithCancel(context.Background())
