@@ -380,15 +380,19 @@ func (e *Engine) Next() (time.Time, bool) {
 }
 
 // SetSlowdown makes the engine factor times slower from model time now on:
-// prefill and decode steps take factor times as long. 1 is normal speed.
+// prefill and decode steps take factor times as long. 1 is normal speed;
+// factors above 1e6 are refused.
 func (e *Engine) SetSlowdown(now time.Time, factor float64) error {
-	if !(factor > 0) || math.IsInf(factor, 0) {
-		return fmt.Errorf("simengine: slowdown %v: must be positive and finite", factor)
+	if !(factor > 0) || factor > maxSlowdown {
+		return fmt.Errorf("simengine: slowdown %v: must be in (0, %g]", factor, float64(maxSlowdown))
 	}
 	e.advanceTo(now)
 	e.slowdown = factor
 	return nil
 }
+
+// maxSlowdown keeps event times far from time.Duration's range.
+const maxSlowdown = 1e6
 
 // Slowdown returns the current slowdown factor.
 func (e *Engine) Slowdown() float64 { return e.slowdown }
