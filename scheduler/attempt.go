@@ -124,6 +124,7 @@ type Attempt struct {
 	dead, used, failed []string // endpoint IDs
 	pending            []pending
 	pendingBuf         [2]pending
+	mapped             *endpoint // the session's live endpoint, during a Pick
 }
 
 type pending struct {
@@ -170,16 +171,11 @@ func (a *Attempt) exclusion(e *endpoint, checkModel bool) Exclusion {
 }
 
 // admit reports whether e may take this request now: not excluded, not
-// draining, its breaker admits it and it has a free slot. avoid is true
-// for endpoints to use only when no other is admitted: suspects and
+// draining, its breaker admits it and it has a free slot (counting up to
+// affCap on the session's own endpoint, up to capacity elsewhere). avoid is
+// true for endpoints to use only when no other is admitted: suspects and
 // endpoints that failed earlier in this request.
 func (a *Attempt) admit(e *endpoint, now int64, checkModel bool) (ok, avoid bool) {
-	return a.admitUpTo(e, now, checkModel, e.capacity)
-}
-
-// admitUpTo is admit with the in-flight limit given: e.capacity, or
-// e.affCap for the session's own endpoint.
-func (a *Attempt) admitUpTo(e *endpoint, now int64, checkModel bool, limit int) (ok, avoid bool) {
 	if a.exclusion(e, checkModel) != ExclusionNone || e.health.Draining {
 		return false, false
 	}
@@ -190,6 +186,10 @@ func (a *Attempt) admitUpTo(e *endpoint, now int64, checkModel bool, limit int) 
 		if e.probes >= a.s.cfg.HalfOpenProbes {
 			return false, false
 		}
+	}
+	limit := e.capacity
+	if e == a.mapped {
+		limit = e.affCap
 	}
 	if limit > 0 && e.inFlight >= limit {
 		return false, false
@@ -215,11 +215,12 @@ func (a *Attempt) Pick() (Choice, error) {
 	if a.req.SessionKey != "" {
 		mapped = s.sessions.lookup(a.req.SessionKey, now)
 	}
+	a.mapped = mapped
 	var e *endpoint
 	switch s.cfg.Policy {
 	case PolicySticky:
 		if mapped != nil {
-			if ok, avoid := a.admitUpTo(mapped, now, true, mapped.affCap); ok && !avoid && !s.engineSaturated(mapped) {
+			if ok, avoid := a.admit(mapped, now, true); ok && !avoid && !s.engineSaturated(mapped) {
 				e = mapped
 			}
 		}

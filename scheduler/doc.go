@@ -78,15 +78,15 @@
 // # Capacity
 //
 // Capacity bounds what the scheduler places on an endpoint: new sessions,
-// moved sessions, requests without a session key, and every pick of the
-// comparison policies stop at Capacity requests in flight. A session whose
-// cache the endpoint holds may go on up to Capacity × Config.AffinityCapacity
-// (2, rounded up) in flight: engines queue what they cannot batch, and a
-// short wait there is cheaper than a cold prefill elsewhere, which would
-// also spend several times the engine time and, under load, push the whole
-// cluster towards more misses. Only beyond that is the endpoint truly
-// saturated and the session moved. Set AffinityCapacity to 1 to make
-// Capacity strict for everyone. When no candidate has room, Pick returns an
+// moved sessions and requests without a session key stop at Capacity
+// requests in flight. The endpoint a session is mapped to may take that
+// session's requests up to Capacity × Config.AffinityCapacity (2, rounded
+// up) in flight, under every policy: engines queue what they cannot batch,
+// and a short wait where the cache is costs less than a cold prefill
+// elsewhere, which would also spend several times the engine time and,
+// under load, push the whole cluster towards more misses. Only beyond that
+// is the endpoint truly saturated and the session moved. Set
+// AffinityCapacity to 1 to make Capacity strict for everyone. When no candidate has room, Pick returns an
 // *UnavailableError and the relay decides whether to wait or fail. The
 // test TestStickyMultiTurnChat simulates multi-turn chat on engines with
 // and without capacity pressure and checks that the sticky policy keeps at

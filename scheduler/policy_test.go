@@ -146,6 +146,19 @@ func TestConsistentHash(t *testing.T) {
 	}
 }
 
+func TestComparisonPoliciesShareAffinityCapacity(t *testing.T) {
+	s, _ := newTest(t, Config{Policy: PolicyConsistentHash},
+		Endpoint{ID: "a", Models: []string{"m"}, Capacity: 1}, Endpoint{ID: "b", Models: []string{"m"}, Capacity: 1})
+	r := Request{Model: "m", SessionKey: "k"}
+	home := do(t, s, r, ok200).EndpointID
+	for i, want := range []Affinity{AffinityHit, AffinityHit, AffinityMiss} {
+		c := mustPick(t, s.Begin(r))
+		if c.Affinity != want || (want == AffinityHit) != (c.EndpointID == home) {
+			t.Fatalf("request %d: %+v, want %v (home %s)", i, c, want, home)
+		}
+	}
+}
+
 func TestComparisonPoliciesKeepBreaker(t *testing.T) {
 	for _, p := range []Policy{PolicyRoundRobin, PolicyRandom, PolicyLeastLoaded, PolicyConsistentHash} {
 		t.Run(p.String(), func(t *testing.T) {
