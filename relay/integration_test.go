@@ -213,14 +213,14 @@ func TestIntegrationRouting(t *testing.T) {
 	agents := map[string]*itAgent{}
 	for _, n := range []string{"a", "b", "c"} {
 		models := []string{"m1"}
-		if n == "c" {
-			models = append(models, "only-c")
+		if n != "b" {
+			models = append(models, "only-"+n)
 		}
 		engines[n] = newITEngine(t, n, models...)
 		agents[n] = startAgent(t, rl, n, engines[n])
 	}
 	c := newClient(t, rl.url)
-	waitFor(t, "3 agents routable", func() bool { return len(c.models()) == 2 })
+	waitFor(t, "3 agents routable", func() bool { return len(c.models()) == 3 })
 
 	t.Run("sessions spread", func(t *testing.T) {
 		seen := map[string]int{}
@@ -256,19 +256,7 @@ func TestIntegrationRouting(t *testing.T) {
 		e := engines["a"]
 		e.release, e.done = make(chan struct{}), make(chan struct{})
 		defer func() { e.release = nil }()
-		// Pin the stream to "a" through its only model... all agents serve m1,
-		// so find a session that lands on "a".
-		var session string
-		for i := 0; i < 50 && session == ""; i++ {
-			s := fmt.Sprintf("pin-%d", i)
-			if _, agent := c.chat("m1", s); agent == "a" {
-				session = s
-			}
-		}
-		if session == "" {
-			t.Fatal("no session landed on agent a")
-		}
-		resp, err := c.post("/v1/chat/completions", `{"model":"m1","stream":true}`, "X-Session-ID", session)
+		resp, err := c.post("/v1/chat/completions", `{"model":"only-a","stream":true}`)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -303,7 +291,7 @@ func TestIntegrationRouting(t *testing.T) {
 			}
 		}
 		waitFor(t, "only-c dropped from /v1/models", func() bool {
-			return strings.Join(c.models(), ",") == "m1"
+			return strings.Join(c.models(), ",") == "m1,only-a"
 		})
 		if _, ok := rl.r.Registry().Peer("c"); ok {
 			t.Error("c still registered")
