@@ -95,6 +95,16 @@ type itRelay struct {
 
 func startRelay(t testing.TB, identity string, p2pAddr string) *itRelay {
 	t.Helper()
+	return startRelayWith(t, identity, p2pAddr, zerolog.New(io.Discard))
+}
+
+func startRelayLogger(t testing.TB, log zerolog.Logger) *itRelay {
+	t.Helper()
+	return startRelayWith(t, "", "", log)
+}
+
+func startRelayWith(t testing.TB, identity string, p2pAddr string, log zerolog.Logger) *itRelay {
+	t.Helper()
 	if p2pAddr == "" {
 		p2pAddr = "/ip4/127.0.0.1/udp/0/quic-v1"
 	}
@@ -103,8 +113,7 @@ func startRelay(t testing.TB, identity string, p2pAddr string) *itRelay {
 		IdentityFile: identity,
 		Token:        []byte(itToken),
 		APIKeys:      []string{itKey},
-		Logger:       zerolog.New(io.Discard),
-		MaxAttempts:  3,
+		Logger:       log,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -131,6 +140,13 @@ func (ir *itRelay) stop() {
 
 func (ir *itRelay) info() peer.AddrInfo {
 	return peer.AddrInfo{ID: ir.r.Host().ID(), Addrs: ir.r.Host().Addrs()}
+}
+
+// peerIDFor returns a distinct fake peer ID (for relays without libp2p).
+func peerIDFor(i int) peer.ID { return peer.ID(fmt.Sprintf("fake-peer-%d", i)) }
+
+func joinInfo(name string) transport.JoinInfo {
+	return transport.JoinInfo{Name: name, Models: []string{"m1"}}
 }
 
 func newHost(t testing.TB) host.Host {

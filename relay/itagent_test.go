@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"context"
+	"net/http"
 	"net/http/httputil"
 	"net/url"
 	"testing"
@@ -30,6 +31,8 @@ func startAgent(t testing.TB, rl *itRelay, name string, e *itEngine) *itAgent {
 	u, _ := url.Parse(e.srv.URL)
 	proxy := httputil.NewSingleHostReverseProxy(u)
 	proxy.FlushInterval = -1
+	tr := &http.Transport{MaxIdleConnsPerHost: 64}
+	proxy.Transport = tr
 	relayID := rl.r.Host().ID()
 	srv, err := transport.ServeHTTP(h, proxy, func(p peer.ID) bool { return p == relayID })
 	if err != nil {
@@ -48,6 +51,7 @@ func startAgent(t testing.TB, rl *itRelay, name string, e *itEngine) *itAgent {
 	t.Cleanup(func() {
 		_ = m.Close()
 		_ = srv.Close()
+		tr.CloseIdleConnections()
 	})
 	return a
 }

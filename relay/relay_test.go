@@ -4,7 +4,9 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -697,4 +699,34 @@ func FuzzParseRouting(f *testing.F) {
 			t.Fatalf("status %d", asError(err).Status)
 		}
 	})
+}
+
+func TestClientThatStopsReadingCancelsAgent(t *testing.T) {
+	tb := newTestbed(t, []string{"a"}, func(c *Config) { c.IdleTimeout = 300 * time.Millisecond })
+	cancelled := make(chan struct{})
+	tb.engines["a"].set(func(w http.ResponseWriter, r *http.Request, _ []byte) {
+		defer close(cancelled)
+		w.Header().Set("Content-Type", "text/event-stream")
+		ev := "data: " + strings.Repeat("x", 1018) + "\n\n"
+		for i := 0; i < 1_000_000 && r.Context().Err() == nil; i++ { // at most ~1 GB
+			if _, err := io.WriteString(w, ev); err != nil {
+				return
+			}
+			w.(http.Flusher).Flush()
+		}
+	})
+	conn, err := net.Dial("tcp", tb.srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	body := `{"model":"m1","stream":true}`
+	fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", testKey, len(body), body)
+	// Never read: the relay's writes block, its write deadline fires and
+	// the agent's request is cancelled.
+	select {
+	case <-cancelled:
+	case <-time.After(60 * time.Second):
+		t.Fatal("the engine kept streaming to a client that does not read")
+	}
 }
