@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/multiformats/go-multiaddr"
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay"
@@ -379,4 +381,97 @@ func TestIntegrationJoinSecurity(t *testing.T) {
 			t.Errorf("engine saw %d requests", n)
 		}
 	})
+}
+
+func TestIntegrationRelayRestart(t *testing.T) {
+	identity := filepath.Join(t.TempDir(), "relay.key")
+	rl := startRelay(t, identity, "")
+	id := rl.r.Host().ID()
+	port, err := rl.r.Host().Addrs()[0].ValueForProtocol(multiaddr.P_UDP)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"a", "b"} {
+		startAgent(t, rl, n, newITEngine(t, n, "m1"))
+	}
+	c := newClient(t, rl.url)
+	waitFor(t, "agents joined", func() bool { return len(rl.r.Registry().Agents()) == 2 })
+	if status, _ := c.chat("m1", "before"); status != 200 {
+		t.Fatalf("before restart: %d", status)
+	}
+
+	rl.stop()
+	rl2 := startRelay(t, identity, "/ip4/127.0.0.1/udp/"+port+"/quic-v1")
+	if rl2.r.Host().ID() != id {
+		t.Fatalf("restarted relay has peer ID %s, was %s", rl2.r.Host().ID(), id)
+	}
+	waitFor(t, "agents joined the restarted relay", func() bool { return len(rl2.r.Registry().Agents()) == 2 })
+	c2 := newClient(t, rl2.url)
+	for i := 0; i < 5; i++ {
+		if status, agent := c2.chat("m1", "after"); status != 200 || agent == "" {
+			t.Fatalf("after restart: %d from %q", status, agent)
+		}
+	}
+}
+
+func TestIntegrationErrors(t *testing.T) {
+	rl := startRelay(t, "", "")
+	good := newITEngine(t, "good", "m1")
+	bad := newITEngine(t, "bad", "m1", "m-bad")
+	bad.srv.Config.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			bad.serve(w, r)
+			return
+		}
+		bad.hits.Add(1)
+		http.Error(w, `{"error":{"message":"engine exploded"}}`, 500)
+	})
+	startAgent(t, rl, "good", good)
+	ab := startAgent(t, rl, "bad", bad)
+	c := newClient(t, rl.url)
+	waitFor(t, "agents routable", func() bool { return len(c.models()) == 2 })
+
+	status := func(body string, hdr ...string) int {
+		resp, err := c.post("/v1/chat/completions", body, hdr...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var e struct{ Error struct{ Message, Type, Code string } }
+		if resp.StatusCode != 200 {
+			if err := json.NewDecoder(resp.Body).Decode(&e); err != nil || e.Error.Message == "" || e.Error.Type == "" || e.Error.Code == "" {
+				t.Errorf("status %d without OpenAI error JSON (%v)", resp.StatusCode, err)
+			}
+		}
+		return resp.StatusCode
+	}
+	for _, tc := range []struct {
+		name, body string
+		hdr        []string
+		want       int
+	}{
+		{"malformed", `{"model":`, nil, 400},
+		{"missing model", `{}`, nil, 400},
+		{"bad key", `{"model":"m1"}`, []string{"Authorization", "Bearer nope"}, 401},
+		{"unknown model", `{"model":"zzz"}`, nil, 404},
+		{"every attempt failed", `{"model":"m-bad"}`, nil, 502},
+	} {
+		if got := status(tc.body, tc.hdr...); got != tc.want {
+			t.Errorf("%s: %d, want %d", tc.name, got, tc.want)
+		}
+	}
+	// m1 survives the bad agent: retries hide its 500s.
+	for i := 0; i < 10; i++ {
+		if got := status(`{"model":"m1"}`, "X-Session-ID", fmt.Sprintf("s%d", i)); got != 200 {
+			t.Fatalf("m1 request %d: %d", i, got)
+		}
+	}
+	// A draining agent (update over the join stream) takes nothing new.
+	if err := ab.update(transport.JoinInfo{Name: "bad", Models: []string{"m1", "m-bad"}, Draining: true}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "m-bad gone from /v1/models", func() bool { return strings.Join(c.models(), ",") == "m1" })
+	if got := status(`{"model":"m-bad"}`); got != 503 {
+		t.Errorf("model of a draining agent: %d, want 503", got)
+	}
 }
