@@ -25,10 +25,10 @@ import (
 	bhost "github.com/libp2p/go-libp2p/p2p/host/basic"
 	"github.com/libp2p/go-libp2p/p2p/protocol/circuitv2/relay"
 	"github.com/libp2p/go-libp2p/p2p/protocol/holepunch"
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/rs/zerolog"
 	ma "github.com/multiformats/go-multiaddr"
 	manet "github.com/multiformats/go-multiaddr/net"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
 	"go.uber.org/fx"
 )
 
@@ -371,8 +371,8 @@ type NATStats struct {
 type AgentNAT struct {
 	cfg AgentNATConfig
 
-	mu   sync.Mutex  // guards the following fields
-	host host.Host   // set when the host starts
+	mu   sync.Mutex // guards the following fields
+	host host.Host  // set when the host starts
 	svc  *holepunch.Service
 	// firstRelayed is when the first relayed connection to a peer, still
 	// without a direct one, appeared.

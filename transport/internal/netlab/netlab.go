@@ -340,13 +340,22 @@ func (l *Lab) buildHome(h *Home) error {
 	return nil
 }
 
+// addNS creates a namespace and records it, under the lock so that a
+// concurrent Close (an interrupt while building) either sees it or prevents it.
 func (l *Lab) addNS(name string) error {
-	if err := l.ip("netns", "add", name); err != nil {
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		return errors.New("netlab: lab closed")
+	}
+	err := l.ip("netns", "add", name)
+	if err == nil {
+		l.nss = append(l.nss, name)
+	}
+	l.mu.Unlock()
+	if err != nil {
 		return err
 	}
-	l.mu.Lock()
-	l.nss = append(l.nss, name)
-	l.mu.Unlock()
 	return l.ip("-n", name, "link", "set", "lo", "up")
 }
 
@@ -390,12 +399,6 @@ type Proc struct {
 // environment. Its standard error goes to stderr (nil discards it). The lab
 // kills it, if still running, on Close.
 func (l *Lab) Start(ns string, env []string, stderr io.Writer, argv ...string) (*Proc, error) {
-	l.mu.Lock()
-	closed := l.closed
-	l.mu.Unlock()
-	if closed {
-		return nil, errors.New("netlab: lab closed")
-	}
 	l.logf("[%s] start %s", ns, strings.Join(argv, " "))
 	cmd := exec.Command("ip", append([]string{"netns", "exec", ns}, argv...)...)
 	cmd.Env = append(os.Environ(), env...)
@@ -411,6 +414,13 @@ func (l *Lab) Start(ns string, env []string, stderr io.Writer, argv ...string) (
 	if err != nil {
 		return nil, err
 	}
+	// Started and recorded under the lock: a concurrent Close either kills
+	// it or prevents it.
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return nil, errors.New("netlab: lab closed")
+	}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("[%s] start %s: %w", ns, argv[0], err)
 	}
@@ -419,9 +429,7 @@ func (l *Lab) Start(ns string, env []string, stderr io.Writer, argv ...string) (
 		p.err = cmd.Wait()
 		close(p.done)
 	}()
-	l.mu.Lock()
 	l.procs[p.PID] = p
-	l.mu.Unlock()
 	return p, nil
 }
 

@@ -22,7 +22,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/libp2p/go-libp2p"
 	"github.com/libp2p/go-libp2p/core/event"
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/network"
@@ -164,7 +163,7 @@ func runRelay(ctx context.Context, cfg RoleConfig, in io.Reader, out io.Writer) 
 	if err != nil {
 		return err
 	}
-	h, err := libp2p.New(append([]libp2p.Option{libp2p.ListenAddrStrings(cfg.Listen)}, opts...)...)
+	h, err := transport.NewHost(transport.HostConfig{ListenAddrs: []string{cfg.Listen}, Options: opts})
 	if err != nil {
 		return err
 	}
@@ -206,7 +205,7 @@ func runPeer(ctx context.Context, cfg RoleConfig, in io.Reader, out io.Writer) e
 	if err != nil {
 		return err
 	}
-	h, err := libp2p.New(append([]libp2p.Option{libp2p.ListenAddrStrings(cfg.Listen)}, nat.Options()...)...)
+	h, err := transport.NewHost(transport.HostConfig{ListenAddrs: []string{cfg.Listen}, Options: nat.Options(), Logger: logger()})
 	if err != nil {
 		return err
 	}
