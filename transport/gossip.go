@@ -422,8 +422,11 @@ func (g *Gossip) metaLoop() {
 		g.mu.Lock()
 		g.metaBytes, g.published, g.pubAt = b, next, time.Now()
 		g.mu.Unlock()
-		if err := g.ml.UpdateNode(g.mlc.TCPTimeout); err != nil {
-			g.log.Warn().Err(err).Msg("publish gossip metadata")
+		// UpdateNode waits until the broadcast has been retransmitted enough,
+		// without watching for shutdown: bound the wait by our interval. A
+		// timeout only means the news is still spreading.
+		if err := g.ml.UpdateNode(g.cfg.MetaInterval); err != nil {
+			g.log.Debug().Err(err).Msg("publish gossip metadata")
 		}
 	}
 }

@@ -1,9 +1,11 @@
 package transport
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"net"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -52,10 +54,15 @@ func (r *gossipRecorder) on(ev GossipEvent) {
 
 // first returns the first event of type typ about p.
 func (r *gossipRecorder) first(typ GossipEventType, p peer.ID) (GossipEvent, bool) {
+	return r.firstAfter(typ, p, time.Time{})
+}
+
+// firstAfter returns the first event of type typ about p recorded after since.
+func (r *gossipRecorder) firstAfter(typ GossipEventType, p peer.ID, since time.Time) (GossipEvent, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, ev := range r.events {
-		if ev.Type == typ && ev.Peer == p {
+		if ev.Type == typ && ev.Peer == p && ev.At.After(since) {
 			return ev, true
 		}
 	}
@@ -143,8 +150,29 @@ func newGossipCluster(t testing.TB, cfg gossipClusterConfig) []*gossipNode {
 			}()
 		}
 		wg.Wait()
+		waitMemberlistStopped(t)
 	})
 	return nodes
+}
+
+// waitMemberlistStopped polls until no memberlist goroutine is left.
+// Memberlist's Shutdown does not wait for a probe in progress, which keeps
+// its goroutine up to a probe interval longer (goleak would report it).
+func waitMemberlistStopped(t testing.TB) {
+	t.Helper()
+	buf := make([]byte, 1<<20)
+	deadline := time.Now().Add(time.Minute)
+	for {
+		n := runtime.Stack(buf, true)
+		if !bytes.Contains(buf[:n], []byte("hashicorp/memberlist.(*Memberlist)")) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("memberlist goroutines still running a minute after shutdown")
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // joinAll makes every member join the first one.
