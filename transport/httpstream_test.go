@@ -1,0 +1,303 @@
+package transport
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/peer"
+)
+
+// serve starts ServeHTTP on srv admitting only the given peers.
+func serve(t testing.TB, srv host.Host, handler http.Handler, allowed ...peer.ID) *HTTPServer {
+	t.Helper()
+	c, err := ServeHTTP(srv, handler, func(p peer.ID) bool {
+		for _, a := range allowed {
+			if a == p {
+				return true
+			}
+		}
+		return false
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := c.(*HTTPServer)
+	t.Cleanup(func() { hs.Close() })
+	return hs
+}
+
+func TestHTTPRequestResponse(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p, _ := PeerFromContext(r.Context())
+		body, _ := io.ReadAll(r.Body)
+		w.Header().Set("X-Peer", p.String())
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, "%s %s %s", r.Method, r.URL.Path, body)
+	}), cli.ID())
+
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	resp, err := client.Post("http://"+srv.ID().String()+"/v1/echo", "text/plain", strings.NewReader("hello"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusCreated || string(body) != "POST /v1/echo hello" {
+		t.Fatalf("got %d %q", resp.StatusCode, body)
+	}
+	if resp.Header.Get("X-Peer") != cli.ID().String() {
+		t.Fatalf("server saw peer %q, want %s", resp.Header.Get("X-Peer"), cli.ID())
+	}
+}
+
+func TestHTTPConcurrentRequestsShareOneConnection(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(w, r.Body)
+	}), cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	const n = 64
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			want := strings.Repeat(fmt.Sprint(i), 10_000)
+			resp, err := client.Post("http://"+srv.ID().String()+"/x", "text/plain", strings.NewReader(want))
+			if err != nil {
+				errs <- err
+				return
+			}
+			got, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err != nil || string(got) != want {
+				errs <- fmt.Errorf("request %d: %d bytes, err %v", i, len(got), err)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if n := len(cli.Network().ConnsToPeer(srv.ID())); n != 1 {
+		t.Errorf("%d connections to the server, want 1", n)
+	}
+	// Every stream ended: none stays open after its exchange.
+	waitFor(t, "streams to end", func() bool {
+		for _, c := range cli.Network().ConnsToPeer(srv.ID()) {
+			for _, s := range c.GetStreams() {
+				if s.Protocol() == InferProtocol {
+					return false
+				}
+			}
+		}
+		return true
+	})
+}
+
+func TestHTTPServerSentEventsFlowPerEvent(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	release := make(chan struct{})
+	handlerDone := make(chan struct{})
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer close(handlerDone)
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: first\n\n")
+		w.(http.Flusher).Flush()
+		select {
+		case <-release: // the client has seen the first event
+		case <-r.Context().Done():
+			return
+		}
+		fmt.Fprint(w, "data: second\n\n")
+	}), cli.ID())
+
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	resp, err := client.Get("http://" + srv.ID().String() + "/v1/stream")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	line, err := br.ReadString('\n')
+	if err != nil || line != "data: first\n" {
+		t.Fatalf("first line %q, %v", line, err)
+	}
+	select {
+	case <-handlerDone:
+		t.Fatal("handler finished before the client read the first event")
+	default:
+	}
+	close(release)
+	rest, err := io.ReadAll(br)
+	if err != nil || string(rest) != "\ndata: second\n\n" {
+		t.Fatalf("rest %q, %v", rest, err)
+	}
+}
+
+func TestHTTPCancelResetsStreamAndEndsHandler(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	started := make(chan struct{})
+	handlerCtxDone := make(chan struct{})
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: one\n\n")
+		w.(http.Flusher).Flush()
+		close(started)
+		<-r.Context().Done()
+		close(handlerCtxDone)
+	}), cli.ID())
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+srv.ID().String()+"/v1/chat/completions", strings.NewReader("{}"))
+	resp, err := NewRoundTripper(cli).RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	<-started
+	buf := make([]byte, 64)
+	if _, err := resp.Body.Read(buf); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	select {
+	case <-handlerCtxDone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("server handler's context did not end after the client cancelled")
+	}
+	// The body now fails with the context's error, not a hang.
+	if _, err := io.ReadAll(resp.Body); !errors.Is(err, context.Canceled) {
+		t.Fatalf("read after cancel: %v", err)
+	}
+}
+
+func TestHTTPCancelBeforeResponse(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	entered := make(chan struct{})
+	handlerCtxDone := make(chan struct{})
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		close(entered)
+		<-r.Context().Done()
+		close(handlerCtxDone)
+	}), cli.ID())
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		<-entered
+		cancel()
+	}()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+srv.ID().String()+"/slow", nil)
+	_, err := NewRoundTripper(cli).RoundTrip(req)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("RoundTrip error %v, want context.Canceled", err)
+	}
+	select {
+	case <-handlerCtxDone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("server handler's context did not end")
+	}
+}
+
+func TestHTTPRejectsPeersNotAllowed(t *testing.T) {
+	srv, friend, stranger := newTestHost(t), newTestHost(t), newTestHost(t)
+	connect(t, friend, srv)
+	connect(t, stranger, srv)
+	var calls sync.Map
+	hs := serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p, _ := PeerFromContext(r.Context())
+		calls.Store(p, true)
+	}), friend.ID())
+
+	url := "http://" + srv.ID().String() + "/v1/models"
+	resp, err := (&http.Client{Transport: NewRoundTripper(stranger)}).Get(url)
+	if err == nil {
+		resp.Body.Close()
+		t.Fatalf("stranger got status %d", resp.StatusCode)
+	}
+	if _, called := calls.Load(stranger.ID()); called {
+		t.Fatal("handler ran for the stranger")
+	}
+	waitFor(t, "rejection to be counted", func() bool { return hs.Rejected() == 1 })
+
+	resp, err = (&http.Client{Transport: NewRoundTripper(friend)}).Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("friend got %d", resp.StatusCode)
+	}
+}
+
+func TestHTTPBadPeerIDInURL(t *testing.T) {
+	cli := newTestHost(t)
+	_, err := (&http.Client{Transport: NewRoundTripper(cli)}).Get("http://not-a-peer/v1/models")
+	if err == nil || !strings.Contains(err.Error(), "not a peer ID") {
+		t.Fatalf("err = %v", err)
+	}
+}
+
+func TestHTTPServerCloseEndsHandlers(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	entered := make(chan struct{})
+	hs := serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		close(entered)
+		<-r.Context().Done()
+	}), cli.ID())
+	resp, err := (&http.Client{Transport: NewRoundTripper(cli)}).Get("http://" + srv.ID().String() + "/hang")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	<-entered
+	hs.Close() // returns only after the handler has returned
+	if _, err := io.ReadAll(resp.Body); err == nil {
+		t.Fatal("a response cut by Close read as complete")
+	}
+}
+
+// BenchmarkHTTPRoundTrip measures one small request/response on a new stream
+// over an open QUIC connection on loopback.
+func BenchmarkHTTPRoundTrip(b *testing.B) {
+	srv, cli := newTestHost(b), newTestHost(b)
+	connect(b, cli, srv)
+	serve(b, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Write([]byte(`{"ok":true}`))
+	}), cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	url := "http://" + srv.ID().String() + "/v1/x"
+	b.ReportAllocs()
+	for b.Loop() {
+		resp, err := client.Get(url)
+		if err != nil {
+			b.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+}

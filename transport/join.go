@@ -1,0 +1,568 @@
+package transport
+
+import (
+	"bytes"
+	"context"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unicode/utf8"
+
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/network"
+	"github.com/libp2p/go-libp2p/core/peer"
+)
+
+// The join protocol. Every message is a frame:
+//
+//	length  uint32, big endian: bytes that follow (2 .. maxFrameSize)
+//	version byte: joinVersion
+//	type    byte: msgChallenge, msgHello, ...
+//	body    length-2 bytes
+//
+// The relay opens with a challenge (32 random bytes). The agent answers with
+// a hello: HMAC-SHA256 keyed by the token over the protocol label and
+// version, the relay's and the agent's peer IDs, the nonce and the info bytes
+// exactly as sent, followed by those info bytes (JSON). Peer IDs are the ones
+// libp2p authenticated for the connection, so a proof cannot be replayed by
+// another peer, to another relay, or on another stream. The relay answers
+// welcome or reject; afterwards the agent sends update frames (info JSON) and
+// the stream's end means the agent left.
+const (
+	joinVersion  byte = 1
+	maxFrameSize      = 64 << 10
+	nonceSize         = 32
+	macSize           = sha256.Size
+
+	msgChallenge byte = 1 // relay -> agent: nonce
+	msgHello     byte = 2 // agent -> relay: mac || info
+	msgWelcome   byte = 3 // relay -> agent: empty
+	msgReject    byte = 4 // relay -> agent: reason (UTF-8)
+	msgUpdate    byte = 5 // agent -> relay: info
+
+	maxNameLen   = 128
+	maxModels    = 1024
+	maxModelLen  = 256
+	maxReasonLen = 512
+	maxWeight    = 1e6
+	maxCapacity  = 1 << 20
+
+	handshakeTimeout = 10 * time.Second
+	updateTimeout    = 10 * time.Second
+	protectTag       = "computeflux-join"
+	proofLabel       = "computeflux join proof"
+)
+
+// Errors returned by Join and Membership.
+var (
+	// ErrRejected is wrapped by every *RejectedError.
+	ErrRejected = errors.New("join rejected")
+	// errBadFrame reports a frame that violates the protocol.
+	errBadFrame = errors.New("malformed join frame")
+)
+
+// RejectedError is returned by Join (or Membership.Err) when the relay
+// refused the agent; Reason is the relay's explanation.
+type RejectedError struct{ Reason string }
+
+func (e *RejectedError) Error() string { return "join rejected by relay: " + e.Reason }
+
+// Unwrap makes errors.Is(err, ErrRejected) true.
+func (e *RejectedError) Unwrap() error { return ErrRejected }
+
+// JoinInfo is what an agent tells the relay about itself when joining and in
+// every update.
+type JoinInfo struct {
+	Name     string   `json:"name"`               // unique among agents of a relay
+	Models   []string `json:"models,omitempty"`   // model IDs the engine serves
+	Weight   float64  `json:"weight,omitempty"`   // 0 means 1
+	Capacity int      `json:"capacity,omitempty"` // max concurrent requests; 0 means unlimited
+	Draining bool     `json:"draining,omitempty"` // takes no new requests
+}
+
+// JoinHandler receives the registrations of a relay's agents. The relay's
+// registry implements it. Its methods are called from stream goroutines,
+// concurrently for different peers, must be safe for that and must not block
+// long. For one peer the calls are ordered: Joined, any number of Updated,
+// Left; a peer that joins again while its previous registration is still open
+// has that one ended (Left) before the new Joined.
+type JoinHandler interface {
+	// Joined admits the peer; a non-nil error rejects it and its message is
+	// sent to the agent (e.g. the name is taken by another peer).
+	Joined(p peer.ID, info JoinInfo) error
+	// Updated reports changed info of a joined peer.
+	Updated(p peer.ID, info JoinInfo)
+	// Left reports the end of a registration that Joined accepted.
+	Left(p peer.ID)
+}
+
+// JoinServer is the relay side of the join protocol; see ServeJoin.
+type JoinServer struct {
+	h     host.Host
+	token []byte
+	jh    JoinHandler
+
+	mu     sync.Mutex // guards the following fields
+	closed bool
+	active map[network.Stream]struct{}
+	regs   map[peer.ID]*registration
+
+	wg     sync.WaitGroup
+	failed atomic.Uint64
+	once   sync.Once
+}
+
+// registration is one joined agent's open stream.
+type registration struct {
+	s    network.Stream
+	done chan struct{} // closed after Left (or after a failed handshake)
+}
+
+// ServeJoin accepts agents on JoinProtocol streams of h: those proving
+// knowledge of token are passed to jh. The returned Closer is a *JoinServer;
+// Close resets every registration (jh.Left is called for each) and waits.
+func ServeJoin(h host.Host, token []byte, jh JoinHandler) (io.Closer, error) {
+	if len(token) == 0 {
+		return nil, errors.New("join: empty token")
+	}
+	if jh == nil {
+		return nil, errors.New("join: nil handler")
+	}
+	js := &JoinServer{
+		h:      h,
+		token:  bytes.Clone(token),
+		jh:     jh,
+		active: make(map[network.Stream]struct{}),
+		regs:   make(map[peer.ID]*registration),
+	}
+	h.SetStreamHandler(JoinProtocol, js.handle)
+	return js, nil
+}
+
+// Failed returns how many handshakes failed (bad proof, malformed or
+// rejected by the handler, or timed out).
+func (js *JoinServer) Failed() uint64 { return js.failed.Load() }
+
+// Close stops accepting joins, ends every registration and waits for the
+// handler calls to finish. It is safe to call more than once.
+func (js *JoinServer) Close() error {
+	js.once.Do(func() {
+		js.h.RemoveStreamHandler(JoinProtocol)
+		js.mu.Lock()
+		js.closed = true
+		for s := range js.active {
+			_ = s.Reset()
+		}
+		js.mu.Unlock()
+		js.wg.Wait()
+	})
+	return nil
+}
+
+func (js *JoinServer) handle(s network.Stream) {
+	js.mu.Lock()
+	if js.closed {
+		js.mu.Unlock()
+		_ = s.Reset()
+		return
+	}
+	js.active[s] = struct{}{}
+	js.wg.Add(1)
+	js.mu.Unlock()
+	defer func() {
+		js.mu.Lock()
+		delete(js.active, s)
+		js.mu.Unlock()
+		js.wg.Done()
+	}()
+
+	p := s.Conn().RemotePeer()
+	info, reject, err := js.handshake(s, p)
+	if err != nil {
+		js.failed.Add(1)
+		if reject == "" {
+			_ = s.Reset()
+			return
+		}
+		// Say why, and close gracefully so that the reason arrives.
+		_ = writeFrame(s, msgReject, []byte(reject))
+		_ = s.Close()
+		return
+	}
+
+	reg := &registration{s: s, done: make(chan struct{})}
+	defer close(reg.done)
+	js.mu.Lock()
+	old := js.regs[p]
+	js.regs[p] = reg
+	js.mu.Unlock()
+	if old != nil {
+		// A peer joins again while its old stream looks alive (e.g. the
+		// agent lost its network and came back): end the old one first so
+		// the handler sees Left before Joined.
+		_ = old.s.Reset()
+		<-old.done
+	}
+	defer func() {
+		js.mu.Lock()
+		if js.regs[p] == reg {
+			delete(js.regs, p)
+		}
+		js.mu.Unlock()
+	}()
+
+	if err := js.jh.Joined(p, info); err != nil {
+		js.failed.Add(1)
+		reason := err.Error()
+		if len(reason) > maxReasonLen {
+			reason = reason[:maxReasonLen]
+		}
+		reason = string(bytes.ToValidUTF8([]byte(reason), []byte("?")))
+		_ = writeFrame(s, msgReject, []byte(reason))
+		_ = s.Close()
+		return
+	}
+	js.h.ConnManager().Protect(p, protectTag)
+	defer js.h.ConnManager().Unprotect(p, protectTag)
+	defer js.jh.Left(p)
+	if err := writeFrame(s, msgWelcome, nil); err != nil {
+		_ = s.Reset()
+		return
+	}
+	_ = s.SetDeadline(time.Time{})
+
+	for {
+		typ, body, err := readFrame(s)
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				_ = s.Close()
+			} else {
+				_ = s.Reset()
+			}
+			return
+		}
+		if typ != msgUpdate {
+			// Unknown messages of this version are ignored so that a newer
+			// agent can add some.
+			continue
+		}
+		info, err := parseInfo(body)
+		if err != nil {
+			_ = s.Reset()
+			return
+		}
+		js.jh.Updated(p, info)
+	}
+}
+
+// handshake runs the relay's side up to a verified hello. On failure,
+// reject is the reason to send the agent, if any.
+func (js *JoinServer) handshake(s network.Stream, p peer.ID) (info JoinInfo, reject string, err error) {
+	_ = s.SetDeadline(time.Now().Add(handshakeTimeout))
+	var nonce [nonceSize]byte
+	if _, err := rand.Read(nonce[:]); err != nil {
+		return JoinInfo{}, "", err
+	}
+	if err := writeFrame(s, msgChallenge, nonce[:]); err != nil {
+		return JoinInfo{}, "", err
+	}
+	typ, body, err := readFrame(s)
+	if err != nil {
+		return JoinInfo{}, "", err
+	}
+	if typ != msgHello || len(body) < macSize {
+		return JoinInfo{}, "", errBadFrame
+	}
+	mac, infoBytes := body[:macSize], body[macSize:]
+	want := joinProof(js.token, js.h.ID(), p, nonce[:], infoBytes)
+	if !hmac.Equal(mac, want) {
+		// A wrong token is the usual mistake: say so.
+		return JoinInfo{}, "invalid join proof (wrong token?)", errors.New("invalid join proof")
+	}
+	info, err = parseInfo(infoBytes)
+	if err != nil {
+		return JoinInfo{}, "invalid join info", err
+	}
+	return info, "", nil
+}
+
+// joinProof is the agent's proof of knowing token for one handshake.
+func joinProof(token []byte, relay, agent peer.ID, nonce, info []byte) []byte {
+	m := hmac.New(sha256.New, token)
+	m.Write([]byte(proofLabel))
+	m.Write([]byte{joinVersion})
+	writeLenPrefixed(m, []byte(relay))
+	writeLenPrefixed(m, []byte(agent))
+	writeLenPrefixed(m, nonce)
+	writeLenPrefixed(m, info)
+	return m.Sum(nil)
+}
+
+func writeLenPrefixed(w io.Writer, b []byte) {
+	var n [4]byte
+	binary.BigEndian.PutUint32(n[:], uint32(len(b)))
+	w.Write(n[:])
+	w.Write(b)
+}
+
+// Membership is an agent's open registration with one relay, returned by
+// Join. Its methods are safe for concurrent use.
+type Membership struct {
+	h     host.Host
+	relay peer.ID
+	s     network.Stream
+
+	wmu sync.Mutex // serializes writes
+
+	done    chan struct{} // closed when the stream has ended
+	err     error         // why; set before done is closed
+	closing atomic.Bool
+	once    sync.Once
+}
+
+// Join dials relay (if not connected), proves knowledge of token and
+// registers with info. On success the returned Membership holds the
+// registration open until Close or until the connection ends (see Done).
+// A relay that refuses returns a *RejectedError. Cancelling ctx aborts the
+// handshake; it does not affect the Membership once Join has returned.
+func Join(ctx context.Context, h host.Host, relay peer.ID, token []byte, info JoinInfo) (*Membership, error) {
+	if len(token) == 0 {
+		return nil, errors.New("join: empty token")
+	}
+	infoBytes, err := encodeInfo(info)
+	if err != nil {
+		return nil, err
+	}
+	// A relayed connection may be all there is (behind NAT, before a
+	// direct path is punched); the registration is small enough for it.
+	sctx := network.WithAllowLimitedConn(ctx, "computeflux join")
+	s, err := h.NewStream(sctx, relay, JoinProtocol)
+	if err != nil {
+		return nil, fmt.Errorf("join: open stream to %s: %w", relay, err)
+	}
+	stop := context.AfterFunc(ctx, func() { _ = s.Reset() })
+	defer stop()
+	deadline := time.Now().Add(handshakeTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	_ = s.SetDeadline(deadline)
+
+	fail := func(err error) (*Membership, error) {
+		_ = s.Reset()
+		if ctx.Err() != nil {
+			err = ctx.Err()
+		}
+		return nil, fmt.Errorf("join %s: %w", relay, err)
+	}
+	typ, body, err := readFrame(s)
+	if err != nil {
+		return fail(err)
+	}
+	if typ != msgChallenge || len(body) != nonceSize {
+		return fail(errBadFrame)
+	}
+	mac := joinProof(token, relay, h.ID(), body, infoBytes)
+	if err := writeFrame(s, msgHello, append(mac, infoBytes...)); err != nil {
+		return fail(err)
+	}
+	typ, body, err = readFrame(s)
+	if err != nil {
+		return fail(err)
+	}
+	switch typ {
+	case msgWelcome:
+	case msgReject:
+		_ = s.Close()
+		return nil, &RejectedError{Reason: string(bytes.ToValidUTF8(body, []byte("?")))}
+	default:
+		return fail(errBadFrame)
+	}
+	if !stop() {
+		// ctx ended at the last moment and the stream is being reset.
+		return fail(ctx.Err())
+	}
+	_ = s.SetDeadline(time.Time{})
+	h.ConnManager().Protect(relay, protectTag)
+	m := &Membership{h: h, relay: relay, s: s, done: make(chan struct{})}
+	go m.read()
+	return m, nil
+}
+
+// read watches the stream: the relay sends nothing after the welcome except,
+// possibly, a reject that ends the registration.
+func (m *Membership) read() {
+	var err error
+	for {
+		var typ byte
+		var body []byte
+		typ, body, err = readFrame(m.s)
+		if err != nil {
+			break
+		}
+		if typ == msgReject {
+			err = &RejectedError{Reason: string(bytes.ToValidUTF8(body, []byte("?")))}
+			break
+		}
+	}
+	if m.closing.Load() {
+		// Close sent FIN already; a reset now could discard it.
+		err = net.ErrClosed
+	} else {
+		if errors.Is(err, io.EOF) {
+			err = fmt.Errorf("relay %s ended the registration: %w", m.relay, io.EOF)
+		}
+		_ = m.s.Reset()
+	}
+	m.err = err
+	m.h.ConnManager().Unprotect(m.relay, protectTag)
+	close(m.done)
+}
+
+// Relay returns the relay's peer ID.
+func (m *Membership) Relay() peer.ID { return m.relay }
+
+// Update sends new info to the relay.
+func (m *Membership) Update(info JoinInfo) error {
+	b, err := encodeInfo(info)
+	if err != nil {
+		return err
+	}
+	select {
+	case <-m.done:
+		return m.Err()
+	default:
+	}
+	m.wmu.Lock()
+	defer m.wmu.Unlock()
+	_ = m.s.SetWriteDeadline(time.Now().Add(updateTimeout))
+	if err := writeFrame(m.s, msgUpdate, b); err != nil {
+		_ = m.s.Reset()
+		return fmt.Errorf("join update to %s: %w", m.relay, err)
+	}
+	_ = m.s.SetWriteDeadline(time.Time{})
+	return nil
+}
+
+// Done is closed when the registration has ended: Close, the relay went
+// away, or the connection broke.
+func (m *Membership) Done() <-chan struct{} { return m.done }
+
+// Err returns why the registration ended (nil while it is open). After
+// Close it satisfies errors.Is(err, net.ErrClosed).
+func (m *Membership) Err() error {
+	select {
+	case <-m.done:
+		return m.err
+	default:
+		return nil
+	}
+}
+
+// Close leaves the relay (it sees the agent go at once) and waits for the
+// watcher to stop. It is safe to call more than once.
+func (m *Membership) Close() error {
+	m.once.Do(func() {
+		m.closing.Store(true)
+		m.wmu.Lock()
+		_ = m.s.Close()
+		m.wmu.Unlock()
+	})
+	<-m.done
+	return nil
+}
+
+// writeFrame writes one frame in a single Write.
+func writeFrame(w io.Writer, typ byte, body []byte) error {
+	if len(body)+2 > maxFrameSize {
+		return fmt.Errorf("join frame of %d bytes exceeds %d", len(body)+2, maxFrameSize)
+	}
+	b := make([]byte, 6+len(body))
+	binary.BigEndian.PutUint32(b, uint32(len(body)+2))
+	b[4] = joinVersion
+	b[5] = typ
+	copy(b[6:], body)
+	_, err := w.Write(b)
+	return err
+}
+
+// readFrame reads one frame and checks its length and version.
+func readFrame(r io.Reader) (typ byte, body []byte, err error) {
+	var hdr [4]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return 0, nil, err
+	}
+	n := binary.BigEndian.Uint32(hdr[:])
+	if n < 2 || n > maxFrameSize {
+		return 0, nil, fmt.Errorf("%w: length %d", errBadFrame, n)
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(r, b); err != nil {
+		if errors.Is(err, io.EOF) {
+			err = io.ErrUnexpectedEOF
+		}
+		return 0, nil, err
+	}
+	if b[0] != joinVersion {
+		return 0, nil, fmt.Errorf("%w: version %d, want %d", errBadFrame, b[0], joinVersion)
+	}
+	return b[1], b[2:], nil
+}
+
+// encodeInfo checks info and encodes it for the wire.
+func encodeInfo(info JoinInfo) ([]byte, error) {
+	if err := validateInfo(info); err != nil {
+		return nil, err
+	}
+	b, err := json.Marshal(info)
+	if err != nil {
+		return nil, fmt.Errorf("join info: %w", err)
+	}
+	if len(b)+2+macSize > maxFrameSize {
+		return nil, fmt.Errorf("join info: %d bytes exceeds the frame limit", len(b))
+	}
+	return b, nil
+}
+
+// parseInfo decodes and checks info from the wire.
+func parseInfo(b []byte) (JoinInfo, error) {
+	var info JoinInfo
+	if err := json.Unmarshal(b, &info); err != nil {
+		return JoinInfo{}, fmt.Errorf("%w: info: %v", errBadFrame, err)
+	}
+	if err := validateInfo(info); err != nil {
+		return JoinInfo{}, fmt.Errorf("%w: %v", errBadFrame, err)
+	}
+	return info, nil
+}
+
+func validateInfo(info JoinInfo) error {
+	if info.Name == "" || len(info.Name) > maxNameLen || !utf8.ValidString(info.Name) {
+		return fmt.Errorf("join info: name must be 1..%d bytes of UTF-8", maxNameLen)
+	}
+	if len(info.Models) > maxModels {
+		return fmt.Errorf("join info: %d models exceed %d", len(info.Models), maxModels)
+	}
+	for _, m := range info.Models {
+		if m == "" || len(m) > maxModelLen || !utf8.ValidString(m) {
+			return fmt.Errorf("join info: model IDs must be 1..%d bytes of UTF-8", maxModelLen)
+		}
+	}
+	if math.IsNaN(info.Weight) || info.Weight < 0 || info.Weight > maxWeight {
+		return fmt.Errorf("join info: weight %v outside 0..%g", info.Weight, float64(maxWeight))
+	}
+	if info.Capacity < 0 || info.Capacity > maxCapacity {
+		return fmt.Errorf("join info: capacity %d outside 0..%d", info.Capacity, maxCapacity)
+	}
+	return nil
+}
