@@ -39,11 +39,14 @@ const (
 type itEngine struct {
 	name    string
 	srv     *httptest.Server
-	hits    atomic.Int64
-	release chan struct{} // nil: stream without waiting
-	done    chan struct{} // closed when a stream handler returns (if release set)
-	models  []string
+	hits   atomic.Int64
+	gate   atomic.Pointer[streamGate] // nil: streams run without waiting
+	models []string
 }
+
+// streamGate holds a stream after its first event until release closes;
+// done closes when the handler returns.
+type streamGate struct{ release, done chan struct{} }
 
 func newITEngine(t testing.TB, name string, models ...string) *itEngine {
 	e := &itEngine{name: name, models: models}
@@ -76,10 +79,10 @@ func (e *itEngine) serve(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "text/event-stream")
 	fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hello\"}}]}\n\n")
 	w.(http.Flusher).Flush()
-	if e.release != nil {
-		defer close(e.done)
+	if g := e.gate.Load(); g != nil {
+		defer close(g.done)
 		select {
-		case <-e.release:
+		case <-g.release:
 		case <-r.Context().Done():
 			return
 		}
@@ -272,8 +275,9 @@ func TestIntegrationRouting(t *testing.T) {
 	})
 	t.Run("stream first event before the engine finishes", func(t *testing.T) {
 		e := engines["a"]
-		e.release, e.done = make(chan struct{}), make(chan struct{})
-		defer func() { e.release = nil }()
+		g := &streamGate{release: make(chan struct{}), done: make(chan struct{})}
+		e.gate.Store(g)
+		defer e.gate.Store(nil)
 		resp, err := c.post("/v1/chat/completions", `{"model":"only-a","stream":true}`)
 		if err != nil {
 			t.Fatal(err)
@@ -285,11 +289,11 @@ func TestIntegrationRouting(t *testing.T) {
 			t.Fatalf("first line %q %v from %q", line, err, resp.Header.Get(relay.HeaderAgent))
 		}
 		select {
-		case <-e.done:
+		case <-g.done:
 			t.Fatal("engine finished before the first event reached the client")
 		default:
 		}
-		close(e.release)
+		close(g.release)
 		rest, _ := io.ReadAll(br)
 		if !strings.Contains(string(rest), "[DONE]") {
 			t.Errorf("rest %q", rest)
@@ -417,15 +421,16 @@ func TestIntegrationRelayRestart(t *testing.T) {
 func TestIntegrationErrors(t *testing.T) {
 	rl := startRelay(t, "", "")
 	good := newITEngine(t, "good", "m1")
-	bad := newITEngine(t, "bad", "m1", "m-bad")
-	bad.srv.Config.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	bad := &itEngine{name: "bad", models: []string{"m1", "m-bad"}}
+	bad.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/v1/models" {
 			bad.serve(w, r)
 			return
 		}
 		bad.hits.Add(1)
 		http.Error(w, `{"error":{"message":"engine exploded"}}`, 500)
-	})
+	}))
+	t.Cleanup(bad.srv.Close)
 	startAgent(t, rl, "good", good)
 	ab := startAgent(t, rl, "bad", bad)
 	c := newClient(t, rl.url)
