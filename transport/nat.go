@@ -23,6 +23,8 @@ import (
 	"github.com/libp2p/go-libp2p/core/protocol"
 	"github.com/libp2p/go-libp2p/p2p/host/autorelay"
 	bhost "github.com/libp2p/go-libp2p/p2p/host/basic"
+	rcmgr "github.com/libp2p/go-libp2p/p2p/host/resource-manager"
+	circuitproto "github.com/libp2p/go-libp2p/p2p/protocol/circuitv2/proto"
 	"github.com/libp2p/go-libp2p/p2p/protocol/circuitv2/relay"
 	"github.com/libp2p/go-libp2p/p2p/protocol/holepunch"
 	ma "github.com/multiformats/go-multiaddr"
@@ -178,7 +180,8 @@ type RelayLimits struct {
 	Data int64
 	// MaxCircuits is the number of simultaneous relayed connections per peer
 	// [256]: an agent behind a symmetric NAT gossips with every other member
-	// through the relay.
+	// through the relay. The relay's host must also grant the streams (see
+	// RelayResourceLimits); libp2p's default resource limits stop at 64.
 	MaxCircuits int
 	// MaxReservations is the number of peers that may hold a reservation at
 	// once [4096]; only admitted peers get one.
@@ -227,6 +230,42 @@ func (l RelayLimits) validate() error {
 		return errors.New("relay reservation TTL under 2m: agents refresh every minute")
 	}
 	return nil
+}
+
+// RelayResourceLimits returns the resource-manager limits the relay service
+// needs to honour l. libp2p's defaults allow 64 relay streams per peer, which
+// would cap circuits per peer well below MaxCircuits; a relay's host merges
+// these entries (Service, ServicePeer, Protocol, ProtocolPeer) into its limit
+// configuration. Each circuit holds two streams in the relay service (the
+// hop stream from its source, the stop stream to its destination) and two
+// copy buffers; a reservation holds a hop stream while it is made.
+func RelayResourceLimits(l RelayLimits) rcmgr.PartialLimitConfig {
+	l.populate()
+	perPeer := rcmgr.LimitVal(l.MaxCircuits + 8)
+	// The relay carries at most MaxCircuits per peer, but nothing bounds the
+	// sum except this: four circuits' worth of streams per reserved peer.
+	total := rcmgr.LimitVal(4 * l.MaxReservations)
+	buf := int64(2 * l.BufferSize)
+	service := rcmgr.ResourceLimits{
+		Streams: total, StreamsInbound: total, StreamsOutbound: total,
+		Memory: rcmgr.LimitVal64(buf*int64(total) + 16<<20),
+	}
+	peerLimits := rcmgr.ResourceLimits{
+		Streams: perPeer, StreamsInbound: perPeer, StreamsOutbound: perPeer,
+		Memory: rcmgr.LimitVal64(buf*int64(perPeer) + 1<<20),
+	}
+	proto := rcmgr.ResourceLimits{Streams: total, StreamsInbound: total, StreamsOutbound: total}
+	protoPeer := rcmgr.ResourceLimits{Streams: perPeer, StreamsInbound: perPeer, StreamsOutbound: perPeer}
+	return rcmgr.PartialLimitConfig{
+		Service:     map[string]rcmgr.ResourceLimits{relay.ServiceName: service},
+		ServicePeer: map[string]rcmgr.ResourceLimits{relay.ServiceName: peerLimits},
+		Protocol: map[protocol.ID]rcmgr.ResourceLimits{
+			circuitproto.ProtoIDv2Hop: proto, circuitproto.ProtoIDv2Stop: proto,
+		},
+		ProtocolPeer: map[protocol.ID]rcmgr.ResourceLimits{
+			circuitproto.ProtoIDv2Hop: protoPeer, circuitproto.ProtoIDv2Stop: protoPeer,
+		},
+	}
 }
 
 // RelayNATConfig configures the NAT-traversal side of a ComputeFlux relay.

@@ -16,6 +16,8 @@ import (
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/libp2p/go-libp2p/core/protocol"
+	rcmgr "github.com/libp2p/go-libp2p/p2p/host/resource-manager"
+	"github.com/libp2p/go-libp2p/p2p/protocol/circuitv2/relay"
 	ma "github.com/multiformats/go-multiaddr"
 )
 
@@ -309,5 +311,21 @@ func TestRelayAdmitsOnlyAdmittedPeers(t *testing.T) {
 	}
 	if err := dialThroughRelay(ctx, stranger, l.info(), a.ID()); err == nil {
 		t.Error("a peer that was never admitted opened a circuit")
+	}
+}
+
+// TestRelayResourceLimits: merged into libp2p's defaults, the limits let a
+// peer hold MaxCircuits circuits through the relay service.
+func TestRelayResourceLimits(t *testing.T) {
+	l := RelayLimits{MaxCircuits: 300}
+	partial := RelayResourceLimits(l)
+	scaling := rcmgr.DefaultLimits
+	libp2p.SetDefaultServiceLimits(&scaling)
+	built := partial.Build(scaling.AutoScale())
+	if got := built.ToPartialLimitConfig().ServicePeer[relay.ServiceName].Streams; got < 300 {
+		t.Errorf("relay service streams per peer %v, want at least 300", got)
+	}
+	if got := built.ToPartialLimitConfig().Service[relay.ServiceName].StreamsInbound; got < 300 {
+		t.Errorf("relay service inbound streams %v, want at least 300", got)
 	}
 }
