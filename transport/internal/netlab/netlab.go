@@ -60,10 +60,15 @@ func (k NATKind) String() string {
 
 // Public segment and home addressing (see the package comment).
 const (
+	// PublicPrefix is the public segment's subnet.
 	PublicPrefix = "198.18.0.0/24"
-	RelayIP      = "198.18.0.10"
-	ClientIP     = "198.18.0.11"
-	// PublicCIDR is the range to count as public in the lab (the "internet").
+	// RelayIP is the relay namespace's address on the public segment.
+	RelayIP = "198.18.0.10"
+	// ClientIP is the client namespace's address on the public segment.
+	ClientIP = "198.18.0.11"
+	// PublicCIDR is the range to count as public in the lab (the "internet"):
+	// pass it to transport's PublicCIDRs settings. Home LANs (198.19.x) stay
+	// outside it, as private ranges are outside the real internet.
 	PublicCIDR = "198.18.0.0/16"
 )
 
@@ -96,11 +101,11 @@ type Home struct {
 
 // Lab is a built topology. Its methods are safe for concurrent use.
 type Lab struct {
-	Prefix string
-	Public string // namespace holding the public bridge
-	Relay  Node
-	Client Node
-	Homes  []*Home
+	Prefix string  // starts every namespace name of this lab: prefix-pid-rand
+	Public string  // namespace holding the public bridge
+	Relay  Node    // relay namespace on the public segment
+	Client Node    // client namespace on the public segment
+	Homes  []*Home // in Config.Homes order
 
 	logf func(string, ...any)
 
