@@ -170,6 +170,7 @@ type Summary struct {
 	Direct     int
 	StreamOK   int
 	ToDirectMS []float64 // relayed connection to direct, per direct run
+	ContactMS  []float64 // first contact (dial start) to direct, per direct run
 	RTTRelayed []float64
 	RTTDirect  []float64
 	GaveUpMS   []float64 // relayed connection to the last failed punch, per relayed run
@@ -186,6 +187,7 @@ func (s *Summary) Add(r HolePunchRun, err error) {
 	if r.Direct {
 		s.Direct++
 		s.ToDirectMS = append(s.ToDirectMS, r.A2B.DirectMS)
+		s.ContactMS = append(s.ContactMS, r.A2B.RelayedMS+r.A2B.DirectMS)
 		if r.A2B.RTTDirectMS > 0 {
 			s.RTTDirect = append(s.RTTDirect, r.A2B.RTTDirectMS)
 		}
@@ -233,6 +235,7 @@ func (s *Summary) Line(pass bool) string {
 		fmt.Sprintf("stream_ok=%d/%d", s.StreamOK, s.Runs),
 		fmt.Sprintf("to_direct_ms_p50=%.1f", Median(s.ToDirectMS)),
 		fmt.Sprintf("to_direct_ms_range=%s", minmax(s.ToDirectMS)),
+		fmt.Sprintf("contact_to_direct_ms_p50=%.1f", Median(s.ContactMS)),
 		fmt.Sprintf("rtt_relayed_ms_p50=%.3f", Median(s.RTTRelayed)),
 		fmt.Sprintf("rtt_direct_ms_p50=%.3f", Median(s.RTTDirect)),
 		fmt.Sprintf("gave_up_ms_p50=%.0f", Median(s.GaveUpMS)),
