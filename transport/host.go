@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/libp2p/go-libp2p"
+	"github.com/libp2p/go-libp2p/core/crypto"
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/libp2p/go-libp2p/core/protocol"
@@ -28,6 +29,9 @@ type HostConfig struct {
 	// IdentityFile holds the Ed25519 key (see LoadOrCreateIdentity). Empty
 	// means a new ephemeral identity.
 	IdentityFile string
+	// Key, if set, is the identity, and IdentityFile is ignored (for callers
+	// that loaded it already with LoadOrCreateIdentity).
+	Key crypto.PrivKey
 	// Logger receives the start-up line (peer ID and addresses). The zero
 	// value discards.
 	Logger zerolog.Logger
@@ -65,9 +69,12 @@ func NewHost(cfg HostConfig) (host.Host, error) {
 		}
 		addrs = append(addrs, a)
 	}
-	key, err := LoadOrCreateIdentity(cfg.IdentityFile)
-	if err != nil {
-		return nil, err
+	key := cfg.Key
+	if key == nil {
+		var err error
+		if key, err = LoadOrCreateIdentity(cfg.IdentityFile); err != nil {
+			return nil, err
+		}
 	}
 	rm, err := rcmgr.NewResourceManager(rcmgr.NewFixedLimiter(resourceLimits()))
 	if err != nil {

@@ -1,0 +1,515 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"net/url"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/computeflux/computeflux/transport"
+	"github.com/libp2p/go-libp2p"
+	"github.com/libp2p/go-libp2p/core/crypto"
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/network"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/libp2p/go-libp2p/core/peerstore"
+	"github.com/rs/zerolog"
+)
+
+// Config configures an Agent. The zero value of every optional field means
+// the default written next to it; New fills them and checks the result.
+type Config struct {
+	// Relay is the relay's multiaddr including /p2p/<relay peer ID>
+	// (required).
+	Relay string
+	// Token is the join secret; TokenFile names a file holding it (leading
+	// and trailing white space ignored). Exactly one is required.
+	Token     string
+	TokenFile string
+	// Upstream is the local engine's base URL, e.g. http://127.0.0.1:8000
+	// (required).
+	Upstream string
+	// UpstreamAPIKey, if set, is sent to the engine as a bearer token.
+	UpstreamAPIKey string
+	// Name identifies the agent to the relay. Empty means the host name.
+	Name string
+	// Weight is the relative share of traffic. 0 means 1.
+	Weight float64
+	// MaxConcurrency caps concurrent requests (reported to the relay as
+	// capacity; excess requests get 429). 0 means unlimited.
+	MaxConcurrency int
+	// IdentityFile keeps the agent's Ed25519 key. Empty means a new
+	// identity on every start.
+	IdentityFile string
+	// ListenAddrs are the QUIC addresses to listen on. Empty means
+	// transport.DefaultListenAddrs.
+	ListenAddrs []string
+	// HostOptions are extra libp2p options (NAT traversal).
+	HostOptions []libp2p.Option
+	// Logger receives the agent's logs. The zero value discards.
+	Logger zerolog.Logger
+
+	// RefreshInterval is how often the engine's models and metrics are
+	// read. 0 means 10 s.
+	RefreshInterval time.Duration
+	// UpstreamTimeout bounds one discovery or metrics request to the engine.
+	// 0 means 5 s.
+	UpstreamTimeout time.Duration
+	// EngineFailures is how many discoveries in a row must fail before the
+	// agent reports itself unavailable. 0 means 2.
+	EngineFailures int
+	// DrainTimeout bounds how long a stopping agent waits for in-flight
+	// requests. 0 means 30 s.
+	DrainTimeout time.Duration
+	// MinBackoff and MaxBackoff bound the reconnect delay, which doubles
+	// after each failure and carries jitter. 0 means 500 ms and 30 s.
+	MinBackoff time.Duration
+	MaxBackoff time.Duration
+	// UpstreamTransport carries requests to the engine. Nil means a clone of
+	// http.DefaultTransport with more idle connections.
+	UpstreamTransport http.RoundTripper
+}
+
+func (c *Config) fill() {
+	if c.Name == "" {
+		c.Name, _ = os.Hostname()
+	}
+	if c.Weight == 0 {
+		c.Weight = 1
+	}
+	if c.RefreshInterval == 0 {
+		c.RefreshInterval = 10 * time.Second
+	}
+	if c.UpstreamTimeout == 0 {
+		c.UpstreamTimeout = 5 * time.Second
+	}
+	if c.EngineFailures == 0 {
+		c.EngineFailures = 2
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = 30 * time.Second
+	}
+	if c.MinBackoff == 0 {
+		c.MinBackoff = 500 * time.Millisecond
+	}
+	if c.MaxBackoff == 0 {
+		c.MaxBackoff = 30 * time.Second
+	}
+	if c.UpstreamTransport == nil {
+		t := http.DefaultTransport.(*http.Transport).Clone()
+		t.MaxIdleConnsPerHost = 256
+		c.UpstreamTransport = t
+	}
+}
+
+func (c *Config) validate() error {
+	switch {
+	case c.Relay == "":
+		return errors.New("agent: relay address is required")
+	case c.Upstream == "":
+		return errors.New("agent: upstream URL is required")
+	case c.Token != "" && c.TokenFile != "":
+		return errors.New("agent: give the token or a token file, not both")
+	case c.Token == "" && c.TokenFile == "":
+		return errors.New("agent: a join token (or token file) is required")
+	case c.Name == "" || len(c.Name) > 128:
+		return errors.New("agent: name must be 1..128 bytes")
+	case c.Weight < 0 || c.Weight > 1e6:
+		return fmt.Errorf("agent: weight %v outside 0..1e6", c.Weight)
+	case c.MaxConcurrency < 0:
+		return fmt.Errorf("agent: max concurrency %d is negative", c.MaxConcurrency)
+	case c.RefreshInterval < 0 || c.UpstreamTimeout < 0 || c.DrainTimeout < 0 || c.EngineFailures < 0:
+		return errors.New("agent: intervals and counts must not be negative")
+	case c.MinBackoff < 0 || c.MaxBackoff < c.MinBackoff:
+		return errors.New("agent: backoff bounds must satisfy 0 <= min <= max")
+	}
+	return nil
+}
+
+// Agent joins one relay and serves its inference requests from the local
+// engine. Build it with New and run it with Run.
+type Agent struct {
+	cfg      Config
+	log      zerolog.Logger
+	relay    peer.AddrInfo
+	token    []byte
+	upstream *url.URL
+	key      crypto.PrivKey
+	id       peer.ID
+	client   *http.Client
+	proxy    http.Handler
+
+	inflight atomic.Int64
+	draining atomic.Bool
+
+	mu       sync.Mutex // guards the following fields
+	models   []string
+	engineOK bool
+	failures int
+	metrics  EngineMetrics
+	changed  chan struct{} // signalled (capacity 1) when info changes
+}
+
+// New checks cfg, loads the token and the identity, and returns an Agent
+// ready to Run.
+func New(cfg Config) (*Agent, error) {
+	cfg.fill()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	relay, err := peer.AddrInfoFromString(cfg.Relay)
+	if err != nil {
+		return nil, fmt.Errorf("agent: relay address %q (a multiaddr ending in /p2p/<peer ID>): %w", cfg.Relay, err)
+	}
+	token := []byte(cfg.Token)
+	if cfg.TokenFile != "" {
+		b, err := os.ReadFile(cfg.TokenFile)
+		if err != nil {
+			return nil, fmt.Errorf("agent: token file: %w", err)
+		}
+		token = []byte(strings.TrimSpace(string(b)))
+		if len(token) == 0 {
+			return nil, fmt.Errorf("agent: token file %s is empty", cfg.TokenFile)
+		}
+	}
+	u, err := url.Parse(cfg.Upstream)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("agent: upstream %q is not an http(s) URL", cfg.Upstream)
+	}
+	key, err := transport.LoadOrCreateIdentity(cfg.IdentityFile)
+	if err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	id, err := peer.IDFromPrivateKey(key)
+	if err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	a := &Agent{
+		cfg:      cfg,
+		log:      cfg.Logger.With().Str("component", "agent").Str("name", cfg.Name).Logger(),
+		relay:    *relay,
+		token:    token,
+		upstream: u,
+		key:      key,
+		id:       id,
+		client:   &http.Client{Transport: cfg.UpstreamTransport},
+		changed:  make(chan struct{}, 1),
+	}
+	a.proxy = a.newProxy()
+	return a, nil
+}
+
+// ID returns the agent's peer ID.
+func (a *Agent) ID() peer.ID { return a.id }
+
+// InFlight returns the number of requests being served.
+func (a *Agent) InFlight() int { return int(a.inflight.Load()) }
+
+// Metrics returns the engine's load as last read from its /metrics, and
+// whether any was read.
+func (a *Agent) Metrics() EngineMetrics {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.metrics
+}
+
+// Info returns what the agent currently reports to its relay.
+func (a *Agent) Info() transport.JoinInfo {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return transport.JoinInfo{
+		Name:     a.cfg.Name,
+		Models:   slices.Clone(a.models),
+		Weight:   a.cfg.Weight,
+		Capacity: a.cfg.MaxConcurrency,
+		// An engine that does not answer makes the agent unavailable: the
+		// relay routes elsewhere instead of sending requests that fail.
+		Draining: a.draining.Load() || !a.engineOK,
+	}
+}
+
+func (a *Agent) notify() {
+	select {
+	case a.changed <- struct{}{}:
+	default:
+	}
+}
+
+// Run starts the agent's libp2p host, keeps it joined to the relay
+// (reconnecting forever with capped, jittered exponential backoff) and serves
+// the relay's requests until ctx ends. It then drains: reports itself
+// draining, waits for in-flight requests up to DrainTimeout, leaves the relay
+// and closes the host. It returns nil after a stop by ctx.
+func (a *Agent) Run(ctx context.Context) error {
+	h, err := transport.NewHost(transport.HostConfig{
+		ListenAddrs: a.cfg.ListenAddrs,
+		Key:         a.key,
+		Logger:      a.log,
+		Options:     a.cfg.HostOptions,
+	})
+	if err != nil {
+		return fmt.Errorf("agent: %w", err)
+	}
+	defer h.Close()
+	h.Peerstore().AddAddrs(a.relay.ID, a.relay.Addrs, peerstore.PermanentAddrTTL)
+
+	srv, err := transport.ServeHTTP(h, a, func(p peer.ID) bool { return p == a.relay.ID })
+	if err != nil {
+		return fmt.Errorf("agent: %w", err)
+	}
+	defer srv.Close()
+
+	bg, stopBg := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	a.refresh(bg) // so that the first join carries the models
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		a.refreshLoop(bg)
+	}()
+	defer func() {
+		stopBg()
+		wg.Wait()
+	}()
+
+	m := a.stayJoined(ctx, h)
+	a.drain(m)
+	return nil
+}
+
+// stayJoined keeps a registration with the relay until ctx ends and returns
+// the one open then (nil if none).
+func (a *Agent) stayJoined(ctx context.Context, h host.Host) *transport.Membership {
+	backoff := a.cfg.MinBackoff
+	for {
+		m, err := a.join(ctx, h)
+		if err == nil {
+			a.log.Info().Str("relay", a.relay.ID.String()).Msg("joined relay")
+			since := time.Now()
+			if m = a.serveMembership(ctx, m); m != nil {
+				return m // ctx ended while joined
+			}
+			// A registration that lasted resets the backoff; one that
+			// breaks at once keeps growing it.
+			if time.Since(since) > a.cfg.MaxBackoff {
+				backoff = a.cfg.MinBackoff
+			}
+		} else if ctx.Err() == nil {
+			a.log.Warn().Err(err).Str("relay", a.relay.ID.String()).Dur("retry_in", backoff).Msg("join failed")
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(jitter(backoff)):
+		}
+		backoff = min(2*backoff, a.cfg.MaxBackoff)
+	}
+}
+
+// jitter spreads d over [d/2, d] so that agents cut off together do not
+// come back together.
+func jitter(d time.Duration) time.Duration {
+	if d <= 1 {
+		return d
+	}
+	return d/2 + rand.N(d/2+1)
+}
+
+func (a *Agent) join(ctx context.Context, h host.Host) (*transport.Membership, error) {
+	jctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	// Our own backoff paces reconnects; libp2p's dial backoff would
+	// otherwise refuse to redial a relay that was just down.
+	jctx = network.WithForceDirectDial(jctx, "computeflux agent reconnect")
+	if err := h.Connect(jctx, a.relay); err != nil {
+		return nil, fmt.Errorf("connect to relay: %w", err)
+	}
+	return transport.Join(jctx, h, a.relay.ID, a.token, a.Info())
+}
+
+// serveMembership forwards info changes to the relay until the registration
+// ends (returns nil) or ctx ends (returns m, still open).
+func (a *Agent) serveMembership(ctx context.Context, m *transport.Membership) *transport.Membership {
+	sent := a.Info()
+	for {
+		select {
+		case <-ctx.Done():
+			return m
+		case <-m.Done():
+			a.log.Warn().Err(m.Err()).Msg("lost the relay; reconnecting")
+			m.Close()
+			return nil
+		case <-a.changed:
+			info := a.Info()
+			if infoEqual(info, sent) {
+				continue
+			}
+			if err := m.Update(info); err != nil {
+				a.log.Warn().Err(err).Msg("update to relay failed; reconnecting")
+				m.Close()
+				return nil
+			}
+			sent = info
+			a.log.Info().Strs("models", info.Models).Bool("draining", info.Draining).Msg("reported change to relay")
+		}
+	}
+}
+
+func infoEqual(x, y transport.JoinInfo) bool {
+	return x.Name == y.Name && slices.Equal(x.Models, y.Models) && x.Weight == y.Weight &&
+		x.Capacity == y.Capacity && x.Draining == y.Draining
+}
+
+// drain reports the agent draining, waits for in-flight requests (up to
+// DrainTimeout) and leaves the relay.
+func (a *Agent) drain(m *transport.Membership) {
+	a.draining.Store(true)
+	if m == nil {
+		return
+	}
+	defer m.Close()
+	if err := m.Update(a.Info()); err != nil {
+		a.log.Warn().Err(err).Msg("could not report draining")
+	}
+	a.log.Info().Int64("in_flight", a.inflight.Load()).Dur("timeout", a.cfg.DrainTimeout).Msg("draining")
+	deadline := time.Now().Add(a.cfg.DrainTimeout)
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for a.inflight.Load() > 0 && time.Now().Before(deadline) {
+		<-tick.C
+	}
+	if n := a.inflight.Load(); n > 0 {
+		a.log.Warn().Int64("in_flight", n).Msg("drain deadline passed; cutting requests")
+	}
+}
+
+// refreshLoop reads the engine's models and metrics every RefreshInterval.
+func (a *Agent) refreshLoop(ctx context.Context) {
+	t := time.NewTicker(a.cfg.RefreshInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			a.refresh(ctx)
+		}
+	}
+}
+
+// refresh reads the engine's model list and metrics once.
+func (a *Agent) refresh(ctx context.Context) {
+	models, err := a.discoverModels(ctx)
+	var met EngineMetrics
+	var metErr error
+	if err == nil {
+		met, metErr = a.scrapeMetrics(ctx)
+	}
+	a.mu.Lock()
+	wasOK, before := a.engineOK, a.models
+	if err != nil {
+		a.failures++
+		if a.failures >= a.cfg.EngineFailures {
+			a.engineOK = false
+		}
+	} else {
+		a.failures = 0
+		a.engineOK = true
+		a.models = models
+	}
+	if metErr == nil && err == nil {
+		a.metrics = met
+	}
+	nowOK, after := a.engineOK, a.models
+	a.mu.Unlock()
+
+	if err != nil && ctx.Err() == nil {
+		a.log.Warn().Err(err).Msg("engine model discovery failed")
+	}
+	if wasOK != nowOK || !slices.Equal(before, after) {
+		if nowOK {
+			a.log.Info().Strs("models", after).Msg("engine available")
+		} else {
+			a.log.Warn().Msg("engine unavailable; reporting draining")
+		}
+		a.notify()
+	}
+}
+
+// discoverModels returns the sorted model IDs of the engine's GET /v1/models.
+func (a *Agent) discoverModels(ctx context.Context) ([]string, error) {
+	ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, a.upstream.JoinPath("/v1/models").String(), nil)
+	if err != nil {
+		return nil, err
+	}
+	a.authorize(req.Header)
+	resp, err := a.client.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("GET /v1/models: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+		return nil, fmt.Errorf("GET /v1/models: status %d", resp.StatusCode)
+	}
+	var list struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 8<<20)).Decode(&list); err != nil {
+		return nil, fmt.Errorf("GET /v1/models: %w", err)
+	}
+	var ids []string
+	for _, d := range list.Data {
+		if d.ID != "" && len(d.ID) <= 256 && !slices.Contains(ids, d.ID) {
+			ids = append(ids, d.ID)
+		}
+	}
+	slices.Sort(ids)
+	if len(ids) > 1024 {
+		ids = ids[:1024]
+	}
+	return ids, nil
+}
+
+// scrapeMetrics reads the engine's Prometheus /metrics. Engines without one
+// answer 404; that is not an error worth logging.
+func (a *Agent) scrapeMetrics(ctx context.Context) (EngineMetrics, error) {
+	ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, a.upstream.JoinPath("/metrics").String(), nil)
+	if err != nil {
+		return EngineMetrics{}, err
+	}
+	a.authorize(req.Header)
+	resp, err := a.client.Do(req)
+	if err != nil {
+		return EngineMetrics{}, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+		return EngineMetrics{}, fmt.Errorf("GET /metrics: status %d", resp.StatusCode)
+	}
+	return ParseEngineMetrics(io.LimitReader(resp.Body, 16<<20))
+}
+
+func (a *Agent) authorize(h http.Header) {
+	h.Del("Authorization")
+	if a.cfg.UpstreamAPIKey != "" {
+		h.Set("Authorization", "Bearer "+a.cfg.UpstreamAPIKey)
+	}
+}

@@ -1,0 +1,78 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httputil"
+	"strconv"
+)
+
+// servedPaths are the OpenAI endpoints forwarded to the engine, with their
+// method. Nothing else is: the agent is not a proxy into the home network.
+var servedPaths = map[string]string{
+	"/v1/chat/completions": http.MethodPost,
+	"/v1/completions":      http.MethodPost,
+	"/v1/embeddings":       http.MethodPost,
+	"/v1/models":           http.MethodGet,
+}
+
+func (a *Agent) newProxy() http.Handler {
+	return &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.SetURL(a.upstream)
+			pr.Out.URL.RawQuery = ""
+			a.authorize(pr.Out.Header)
+		},
+		Transport: a.cfg.UpstreamTransport,
+		// Server-sent events are flushed per write by ReverseProxy itself
+		// (it recognises text/event-stream and unknown lengths).
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if errors.Is(err, context.Canceled) || r.Context().Err() != nil {
+				// The relay went away; nobody reads an answer.
+				return
+			}
+			a.log.Warn().Err(err).Str("path", r.URL.Path).Msg("engine request failed")
+			writeError(w, http.StatusBadGateway, "engine_unreachable", "the agent could not reach its engine")
+		},
+	}
+}
+
+// ServeHTTP serves the relay's requests: the OpenAI endpoints listed in
+// servedPaths go to the engine with the upstream API key; anything else is
+// 404. It is the handler given to transport.ServeHTTP.
+func (a *Agent) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	method, ok := servedPaths[r.URL.Path]
+	if !ok || r.URL.RawPath != "" {
+		writeError(w, http.StatusNotFound, "not_found", "this agent serves only the OpenAI inference endpoints")
+		return
+	}
+	if r.Method != method {
+		w.Header().Set("Allow", method)
+		writeError(w, http.StatusMethodNotAllowed, "method_not_allowed", "use "+method)
+		return
+	}
+	if a.draining.Load() {
+		w.Header().Set("Retry-After", "1")
+		writeError(w, http.StatusServiceUnavailable, "draining", "this agent is shutting down")
+		return
+	}
+	n := a.inflight.Add(1)
+	defer a.inflight.Add(-1)
+	if max := a.cfg.MaxConcurrency; max > 0 && n > int64(max) {
+		w.Header().Set("Retry-After", "1")
+		writeError(w, http.StatusTooManyRequests, "agent_busy", "this agent is at its concurrency limit of "+strconv.Itoa(max))
+		return
+	}
+	a.proxy.ServeHTTP(w, r)
+}
+
+// writeError answers in OpenAI's error shape.
+func writeError(w http.ResponseWriter, status int, code, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(map[string]any{
+		"error": map[string]any{"message": msg, "type": "agent_error", "code": code},
+	})
+}
