@@ -24,8 +24,8 @@ import (
 //	go test -run '^$' -bench . -benchtime 2000x ./relay/
 //
 // Two relay paths:
-//   - quic: client -> relay HTTP -> libp2p QUIC stream -> agent -> engine,
-//     the product's path (on loopback);
+//   - quic: client -> relay HTTP -> libp2p QUIC stream -> agent (package
+//     agent) -> engine, the product's path (on loopback);
 //   - http: client -> relay HTTP -> plain HTTP to the engine (Config.Transport),
 //     the relay's own cost without libp2p and the agent.
 
@@ -57,7 +57,7 @@ func benchPaths(b *testing.B, kind string, agents int) (engineURL, relayURL stri
 	case "quic":
 		rl := startRelayLogger(b, zerolog.New(io.Discard))
 		for i, e := range engines {
-			startAgent(b, rl, string(rune('a'+i)), e)
+			startRealAgent(b, rl, string(rune('a'+i)), e)
 		}
 		c := newClient(b, rl.url)
 		waitFor(b, "agents routable", func() bool { return len(c.models()) == 1 })

@@ -65,6 +65,10 @@ func (e *itEngine) serve(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintf(w, `{"object":"list","data":[%s]}`, strings.Join(data, ","))
 		return
 	}
+	if !strings.HasPrefix(r.URL.Path, "/v1/") {
+		http.NotFound(w, r) // e.g. the agent looking for engine metrics
+		return
+	}
 	e.hits.Add(1)
 	var req struct {
 		Model  string `json:"model"`
@@ -230,18 +234,23 @@ func (c *client) models() []string {
 
 func TestIntegrationRouting(t *testing.T) {
 	rl := startRelay(t, "", "")
+	// a, b, c are package agent Agents; d is a bare transport-level agent
+	// whose host the test can close without any goodbye.
 	engines := map[string]*itEngine{}
-	agents := map[string]*itAgent{}
-	for _, n := range []string{"a", "b", "c"} {
+	agents := map[string]*realAgent{}
+	for _, n := range []string{"a", "b", "c", "d"} {
 		models := []string{"m1"}
 		if n != "b" {
 			models = append(models, "only-"+n)
 		}
 		engines[n] = newITEngine(t, n, models...)
-		agents[n] = startAgent(t, rl, n, engines[n])
+		if n != "d" {
+			agents[n] = startRealAgent(t, rl, n, engines[n])
+		}
 	}
+	d := startAgent(t, rl, "d", engines["d"])
 	c := newClient(t, rl.url)
-	waitFor(t, "3 agents routable", func() bool { return len(c.models()) == 3 })
+	waitFor(t, "4 agents routable", func() bool { return len(c.models()) == 4 })
 
 	t.Run("sessions spread", func(t *testing.T) {
 		seen := map[string]int{}
@@ -300,35 +309,61 @@ func TestIntegrationRouting(t *testing.T) {
 		}
 	})
 	t.Run("agent host closed mid-run", func(t *testing.T) {
-		// Sessions spread over all three; then c's host goes away without
-		// leaving. Every following request must succeed on a or b.
-		for i := 0; i < 9; i++ {
+		// Sessions spread over all four; then d's host goes away without
+		// leaving. Every following request must succeed elsewhere.
+		for i := 0; i < 12; i++ {
 			c.chat("m1", fmt.Sprintf("mid-%d", i))
 		}
-		agents["c"].kill()
+		d.kill()
 		for i := 0; i < 30; i++ {
-			status, agent := c.chat("m1", fmt.Sprintf("mid-%d", i%9))
-			if status != 200 || agent == "c" {
-				t.Fatalf("request %d after c died: %d from %q", i, status, agent)
+			status, agent := c.chat("m1", fmt.Sprintf("mid-%d", i%12))
+			if status != 200 || agent == "d" {
+				t.Fatalf("request %d after d died: %d from %q", i, status, agent)
+			}
+		}
+		waitFor(t, "only-d dropped from /v1/models", func() bool {
+			return strings.Join(c.models(), ",") == "m1,only-a,only-c"
+		})
+		if _, ok := rl.r.Registry().Peer("d"); ok {
+			t.Error("d still registered")
+		}
+		if status, _ := c.chat("only-d", "x"); status != 404 {
+			t.Errorf("model only d served: %d, want 404", status)
+		}
+	})
+	t.Run("agent stopped mid-run", func(t *testing.T) {
+		// c drains, leaves and closes its host while requests keep coming.
+		stopped := make(chan struct{})
+		go func() { agents["c"].stop(); close(stopped) }()
+		for i := 0; ; i++ {
+			status, agent := c.chat("m1", fmt.Sprintf("stop-%d", i%12))
+			if status != 200 {
+				t.Fatalf("request %d while c stopped: %d from %q", i, status, agent)
+			}
+			select {
+			case <-stopped:
+			default:
+				if i < 10_000 {
+					continue
+				}
+			}
+			break
+		}
+		for i := 0; i < 20; i++ {
+			if status, agent := c.chat("m1", fmt.Sprintf("stop-%d", i%12)); status != 200 || agent == "c" {
+				t.Fatalf("request %d after c stopped: %d from %q", i, status, agent)
 			}
 		}
 		waitFor(t, "only-c dropped from /v1/models", func() bool {
 			return strings.Join(c.models(), ",") == "m1,only-a"
 		})
-		if _, ok := rl.r.Registry().Peer("c"); ok {
-			t.Error("c still registered")
-		}
-		status, _ := c.chat("only-c", "x")
-		if status != 404 {
-			t.Errorf("model only c served: %d, want 404", status)
-		}
 	})
 }
 
 func TestIntegrationJoinSecurity(t *testing.T) {
 	rl := startRelay(t, "", "")
 	e := newITEngine(t, "a", "m1")
-	a := startAgent(t, rl, "a", e)
+	a := startRealAgent(t, rl, "a", e)
 	c := newClient(t, rl.url)
 	waitFor(t, "agent a routable", func() bool { return len(c.models()) == 1 })
 
@@ -371,8 +406,13 @@ func TestIntegrationJoinSecurity(t *testing.T) {
 		}
 	})
 	t.Run("agent refuses streams from a peer that is not its relay", func(t *testing.T) {
+		// The agent's address, as the relay sees its connection.
+		conns := rl.r.Host().Network().ConnsToPeer(a.id())
+		if len(conns) == 0 {
+			t.Fatal("relay has no connection to the agent")
+		}
 		h := newHost(t)
-		if err := h.Connect(context.Background(), peer.AddrInfo{ID: a.id(), Addrs: a.addrs()}); err != nil {
+		if err := h.Connect(context.Background(), peer.AddrInfo{ID: a.id(), Addrs: []multiaddr.Multiaddr{conns[0].RemoteMultiaddr()}}); err != nil {
 			t.Fatal(err)
 		}
 		hc := &http.Client{Transport: transport.NewRoundTripper(h), Timeout: 20 * time.Second}
@@ -396,10 +436,10 @@ func TestIntegrationRelayRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, n := range []string{"a", "b"} {
-		startAgent(t, rl, n, newITEngine(t, n, "m1"))
+		startRealAgent(t, rl, n, newITEngine(t, n, "m1"))
 	}
 	c := newClient(t, rl.url)
-	waitFor(t, "agents joined", func() bool { return len(rl.r.Registry().Agents()) == 2 })
+	waitFor(t, "agents joined", func() bool { return len(c.models()) == 1 && len(rl.r.Registry().Agents()) == 2 })
 	if status, _ := c.chat("m1", "before"); status != 200 {
 		t.Fatalf("before restart: %d", status)
 	}
@@ -410,6 +450,11 @@ func TestIntegrationRelayRestart(t *testing.T) {
 		t.Fatalf("restarted relay has peer ID %s, was %s", rl2.r.Host().ID(), id)
 	}
 	waitFor(t, "agents joined the restarted relay", func() bool { return len(rl2.r.Registry().Agents()) == 2 })
+	for _, ag := range rl2.r.Registry().Agents() {
+		if len(ag.Models) == 0 {
+			t.Errorf("agent %s rejoined without models", ag.Name)
+		}
+	}
 	c2 := newClient(t, rl2.url)
 	for i := 0; i < 5; i++ {
 		if status, agent := c2.chat("m1", "after"); status != 200 || agent == "" {
@@ -431,8 +476,8 @@ func TestIntegrationErrors(t *testing.T) {
 		http.Error(w, `{"error":{"message":"engine exploded"}}`, 500)
 	}))
 	t.Cleanup(bad.srv.Close)
-	startAgent(t, rl, "good", good)
-	ab := startAgent(t, rl, "bad", bad)
+	startRealAgent(t, rl, "good", good)
+	ab := startAgent(t, rl, "bad", bad) // a bare agent, so the test can send a draining update
 	c := newClient(t, rl.url)
 	waitFor(t, "agents routable", func() bool { return len(c.models()) == 2 })
 

@@ -39,9 +39,12 @@ func TestOpenAINodeClient(t *testing.T) {
 	// A real relay over QUIC with two agents in front of OpenAI-like engines.
 	rl := startRelay(t, "", "")
 	for _, n := range []string{"a", "b"} {
-		startAgent(t, rl, n, newITEngine(t, n, "m1"))
+		startRealAgent(t, rl, n, newITEngine(t, n, "m1"))
 	}
-	waitFor(t, "agents joined", func() bool { return len(rl.r.Registry().Agents()) == 2 })
+	waitFor(t, "agents joined", func() bool {
+		ags := rl.r.Registry().Agents()
+		return len(ags) == 2 && len(ags[0].Models) == 1 && len(ags[1].Models) == 1
+	})
 	script, err := filepath.Abs(filepath.Join("testdata", "openai_client.mjs"))
 	if err != nil {
 		t.Fatal(err)
