@@ -169,7 +169,7 @@ type Summary struct {
 	Runs       int
 	Direct     int
 	StreamOK   int
-	ToDirectMS []float64 // relayed connection to direct, per direct run
+	ToDirectMS []float64 // relayed connection to direct (AgentNAT's upgrade time), per direct run
 	ContactMS  []float64 // first contact (dial start) to direct, per direct run
 	RTTRelayed []float64
 	RTTDirect  []float64
@@ -186,8 +186,14 @@ func (s *Summary) Add(r HolePunchRun, err error) {
 	}
 	if r.Direct {
 		s.Direct++
-		s.ToDirectMS = append(s.ToDirectMS, r.A2B.DirectMS)
-		s.ContactMS = append(s.ContactMS, r.A2B.RelayedMS+r.A2B.DirectMS)
+		// The upgrade time stamped by AgentNAT's connection notifier is exact;
+		// DirectMS is when this side looked, after pinging the relayed path.
+		up := r.A2B.UpgradeMS
+		if up == 0 {
+			up = r.A2B.DirectMS
+		}
+		s.ToDirectMS = append(s.ToDirectMS, up)
+		s.ContactMS = append(s.ContactMS, r.A2B.RelayedMS+up)
 		if r.A2B.RTTDirectMS > 0 {
 			s.RTTDirect = append(s.RTTDirect, r.A2B.RTTDirectMS)
 		}
