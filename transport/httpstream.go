@@ -1,7 +1,6 @@
 package transport
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -20,12 +19,12 @@ import (
 	"github.com/libp2p/go-libp2p/p2p/net/gostream"
 )
 
-// HTTP over libp2p: each request travels on its own stream of InferProtocol,
-// as an HTTP/1.1 message written and parsed by net/http itself (the agent runs
-// a stock http.Server on a gostream listener). A new QUIC stream on the open
-// connection costs no round trip (multistream-select is negotiated lazily,
-// with the request bytes), so one stream per request keeps cancellation
-// exact: resetting the stream ends that request and nothing else.
+// HTTP over libp2p: requests travel on InferProtocol streams as HTTP/1.1
+// messages written and parsed by net/http itself: the agent runs a stock
+// http.Server on a gostream listener, the relay a stock http.Transport whose
+// dialer opens a stream. A stream is a "connection" to net/http, so it is
+// kept alive and reused for the next request when a response ends cleanly,
+// and reset when a request is cancelled. Nothing here defines a framing.
 
 // MaxRequestBody bounds the request bodies ServeHTTP accepts (413 above).
 const MaxRequestBody = 64 << 20
@@ -78,8 +77,8 @@ func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (io.
 	s.srv = &http.Server{
 		Handler:           bufferBody(handler),
 		ReadHeaderTimeout: 30 * time.Second,
-		// One request per stream: the client asks to close after it.
-		IdleTimeout: 30 * time.Second,
+		// Idle keep-alive streams: longer than the client's pool timeout.
+		IdleTimeout: 90 * time.Second,
 		ErrorLog:    log.New(io.Discard, "", 0),
 		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
 			if p, err := peer.Decode(c.RemoteAddr().String()); err == nil {
@@ -163,130 +162,94 @@ func (l *allowListener) Accept() (net.Conn, error) {
 	}
 }
 
-// NewRoundTripper returns an http.RoundTripper that carries each request on a
-// new InferProtocol stream of h to the peer named by the URL's host
-// (http://<peer ID>/v1/...). Cancelling the request's context, or closing the
-// response body before its end, resets the stream; a response read to its end
-// closes it cleanly. Connections (not streams) are reused: libp2p keeps one
-// QUIC connection per peer. Limited (relayed) connections are not used: they
-// are too small for inference traffic.
+// NewRoundTripper returns an http.RoundTripper that carries requests on
+// InferProtocol streams of h to the peer named by the URL's host
+// (http://<peer ID>/v1/...). It is a net/http Transport whose "connections"
+// are libp2p streams: a stream whose response was read to its end goes back
+// to a small idle pool and carries the next request to that peer (HTTP/1.1
+// keep-alive), which saves opening and negotiating a stream per request.
+// Cancelling a request's context, or closing its body early, resets its
+// stream at once; the server's handler sees its context end. libp2p keeps one
+// QUIC connection per peer under all of these streams. Limited (relayed)
+// connections are not used: they are too small for inference traffic.
 func NewRoundTripper(h host.Host) http.RoundTripper {
-	return &roundTripper{h: h}
+	t := &http.Transport{
+		// No proxy from the environment: the "host" is a peer ID.
+		Proxy: nil,
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			return dialStream(ctx, h, addr)
+		},
+		// The agent's side accepts 256 concurrent streams per connection
+		// (quic-go's limit in libp2p): keep the idle pool well below.
+		MaxIdleConnsPerHost: 32,
+		MaxIdleConns:        4096,
+		// Shorter than the server's IdleTimeout, so that the client retires
+		// an idle stream before the server closes it under a new request.
+		IdleConnTimeout:    30 * time.Second,
+		DisableCompression: true,
+	}
+	return &roundTripper{t: t}
 }
 
 type roundTripper struct {
-	h host.Host
+	t *http.Transport
 }
 
 // RoundTrip implements http.RoundTripper.
 func (rt *roundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
-	ctx := req.Context()
-	fail := func(err error) (*http.Response, error) {
+	if req.URL == nil {
 		if req.Body != nil {
 			req.Body.Close()
 		}
-		return nil, err
+		return nil, errors.New("transport: nil request URL")
 	}
-	if req.URL == nil {
-		return fail(errors.New("transport: nil request URL"))
+	if _, err := peer.Decode(req.URL.Hostname()); err != nil {
+		if req.Body != nil {
+			req.Body.Close()
+		}
+		return nil, fmt.Errorf("transport: URL host %q is not a peer ID: %w", req.URL.Hostname(), err)
 	}
-	hostname := req.URL.Hostname()
+	return rt.t.RoundTrip(req)
+}
+
+// CloseIdleConnections closes the idle streams of the pool.
+func (rt *roundTripper) CloseIdleConnections() { rt.t.CloseIdleConnections() }
+
+// dialStream opens an InferProtocol stream to the peer in addr ("<peer
+// ID>:<port>") as a net.Conn.
+func dialStream(ctx context.Context, h host.Host, addr string) (net.Conn, error) {
+	hostname, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		hostname = addr
+	}
 	pid, err := peer.Decode(hostname)
 	if err != nil {
-		return fail(fmt.Errorf("transport: URL host %q is not a peer ID: %w", hostname, err))
+		return nil, fmt.Errorf("transport: %q is not a peer ID: %w", hostname, err)
 	}
-	if err := ctx.Err(); err != nil {
-		return fail(err)
-	}
-	openCtx, cancelOpen := context.WithTimeout(ctx, streamOpenTimeout)
-	s, err := rt.h.NewStream(openCtx, pid, InferProtocol)
-	cancelOpen()
+	ctx, cancel := context.WithTimeout(ctx, streamOpenTimeout)
+	defer cancel()
+	s, err := h.NewStream(ctx, pid, InferProtocol)
 	if err != nil {
-		if ctx.Err() != nil {
-			return fail(ctx.Err())
-		}
-		return fail(fmt.Errorf("transport: open stream to %s: %w", pid, err))
+		return nil, fmt.Errorf("transport: open stream to %s: %w", pid, err)
 	}
-
-	ex := &exchange{s: s, ctx: ctx, wrote: make(chan struct{})}
-	ex.stop = context.AfterFunc(ctx, ex.reset)
-
-	// The request goes out as HTTP/1.1 with "Connection: close": the stream
-	// carries this one exchange. A shallow copy keeps the caller's request
-	// untouched.
-	out := new(http.Request)
-	*out = *req
-	out.Close = true
-	go func() {
-		defer close(ex.wrote)
-		// Write closes the body. After a failed write (the request body
-		// failed, or the server stopped reading because it has answered),
-		// half-close: the server sees a truncated request, and a response
-		// already on its way still arrives.
-		if err := out.Write(s); err != nil {
-			_ = s.CloseWrite()
-		}
-	}()
-
-	resp, err := http.ReadResponse(bufio.NewReader(s), req)
-	if err != nil {
-		ex.finish(false)
-		if ctx.Err() != nil {
-			return nil, ctx.Err()
-		}
-		return nil, fmt.Errorf("transport: read response from %s: %w", pid, err)
-	}
-	resp.Body = &streamBody{body: resp.Body, ex: ex}
-	return resp, nil
+	return &streamConn{Stream: s}, nil
 }
 
-// exchange is one request/response on one stream.
-type exchange struct {
-	s     network.Stream
-	ctx   context.Context
-	stop  func() bool   // stops the context watch
-	wrote chan struct{} // closed when the request has been written (or failed)
-	once  sync.Once
+// streamConn is a client stream as a net.Conn. net/http closes a connection
+// it will not reuse: after a cancelled request, a body closed early, an
+// error, or an idle timeout. In every one of those cases the stream is
+// reset, so the server learns at once and nothing lingers half-open.
+type streamConn struct {
+	network.Stream
 }
 
-func (ex *exchange) reset() { _ = ex.s.Reset() }
+func (c *streamConn) Close() error                  { return c.Stream.Reset() }
+func (c *streamConn) LocalAddr() net.Addr           { return peerAddr(c.Stream.Conn().LocalPeer()) }
+func (c *streamConn) RemoteAddr() net.Addr          { return peerAddr(c.Stream.Conn().RemotePeer()) }
+func (c *streamConn) SetDeadline(t time.Time) error { return c.Stream.SetDeadline(t) }
 
-// finish ends the stream: Close when the whole response was read and the
-// request fully written, else Reset (which also unblocks the writer).
-func (ex *exchange) finish(complete bool) {
-	ex.once.Do(func() {
-		ex.stop()
-		if complete {
-			select {
-			case <-ex.wrote:
-				_ = ex.s.Close()
-				return
-			default:
-			}
-		}
-		_ = ex.s.Reset()
-	})
-}
+// peerAddr is a peer ID as a net.Addr.
+type peerAddr peer.ID
 
-// streamBody ends the stream when the response body is done.
-type streamBody struct {
-	body io.ReadCloser
-	ex   *exchange
-	eof  atomic.Bool
-}
-
-func (b *streamBody) Read(p []byte) (int, error) {
-	n, err := b.body.Read(p)
-	if err == io.EOF {
-		b.eof.Store(true)
-	} else if err != nil && b.ex.ctx.Err() != nil {
-		err = b.ex.ctx.Err()
-	}
-	return n, err
-}
-
-func (b *streamBody) Close() error {
-	err := b.body.Close()
-	b.ex.finish(b.eof.Load())
-	return err
-}
+func (a peerAddr) Network() string { return gostream.Network }
+func (a peerAddr) String() string  { return peer.ID(a).String() }

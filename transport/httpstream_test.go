@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptrace"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 )
 
@@ -99,7 +101,8 @@ func TestHTTPConcurrentRequestsShareOneConnection(t *testing.T) {
 	if n := len(cli.Network().ConnsToPeer(srv.ID())); n != 1 {
 		t.Errorf("%d connections to the server, want 1", n)
 	}
-	// Every stream ended: none stays open after its exchange.
+	// Idle streams go back to the pool; closing the pool ends them all.
+	client.CloseIdleConnections()
 	waitFor(t, "streams to end", func() bool {
 		for _, c := range cli.Network().ConnsToPeer(srv.ID()) {
 			for _, s := range c.GetStreams() {
@@ -110,6 +113,37 @@ func TestHTTPConcurrentRequestsShareOneConnection(t *testing.T) {
 		}
 		return true
 	})
+}
+
+func TestHTTPStreamsAreReused(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Write([]byte("ok"))
+	}), cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	defer client.CloseIdleConnections()
+	reused := 0
+	for range 5 {
+		ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{
+			GotConn: func(info httptrace.GotConnInfo) {
+				if info.Reused {
+					reused++
+				}
+			},
+		})
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+srv.ID().String()+"/v1/x", strings.NewReader("{}"))
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	if reused != 4 {
+		t.Fatalf("%d of 4 follow-up requests reused a stream", reused)
+	}
 }
 
 func TestHTTPServerSentEventsFlowPerEvent(t *testing.T) {
@@ -300,4 +334,54 @@ func BenchmarkHTTPRoundTrip(b *testing.B) {
 		io.Copy(io.Discard, resp.Body)
 		resp.Body.Close()
 	}
+}
+
+// BenchmarkStreamEcho measures the floor under BenchmarkHTTPRoundTrip: a
+// 16-byte echo, on one long-lived stream ("reuse") and on a new stream per
+// exchange ("new"), over the same loopback QUIC connection.
+func BenchmarkStreamEcho(b *testing.B) {
+	srv, cli := newTestHost(b), newTestHost(b)
+	connect(b, cli, srv)
+	const proto = "/computeflux/test-echo/1.0.0"
+	srv.SetStreamHandler(proto, func(s network.Stream) {
+		defer s.Close()
+		buf := make([]byte, 16)
+		for {
+			if _, err := io.ReadFull(s, buf); err != nil {
+				return
+			}
+			if _, err := s.Write(buf); err != nil {
+				return
+			}
+		}
+	})
+	msg := make([]byte, 16)
+	echo := func(b *testing.B, s network.Stream) {
+		if _, err := s.Write(msg); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := io.ReadFull(s, msg); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.Run("reuse", func(b *testing.B) {
+		s, err := cli.NewStream(context.Background(), srv.ID(), proto)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer s.Close()
+		for b.Loop() {
+			echo(b, s)
+		}
+	})
+	b.Run("new", func(b *testing.B) {
+		for b.Loop() {
+			s, err := cli.NewStream(context.Background(), srv.ID(), proto)
+			if err != nil {
+				b.Fatal(err)
+			}
+			echo(b, s)
+			s.Close()
+		}
+	})
 }
