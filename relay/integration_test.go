@@ -308,6 +308,30 @@ func TestIntegrationRouting(t *testing.T) {
 			t.Errorf("rest %q", rest)
 		}
 	})
+	t.Run("client disconnect cancels the engine's request", func(t *testing.T) {
+		e := engines["a"]
+		g := &streamGate{release: make(chan struct{}), done: make(chan struct{})}
+		e.gate.Store(g)
+		defer e.gate.Store(nil)
+		ctx, cancel := context.WithCancel(context.Background())
+		req, _ := http.NewRequestWithContext(ctx, "POST", c.url+"/v1/chat/completions", strings.NewReader(`{"model":"only-a","stream":true}`))
+		req.Header.Set("Authorization", "Bearer "+itKey)
+		resp, err := c.hc.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil {
+			t.Fatal(err)
+		}
+		cancel()
+		resp.Body.Close()
+		select {
+		case <-g.done: // the handler returned without release: its request was cancelled
+		case <-time.After(30 * time.Second):
+			close(g.release)
+			t.Fatal("the engine's request outlived the client")
+		}
+	})
 	t.Run("agent host closed mid-run", func(t *testing.T) {
 		// Sessions spread over all four; then d's host goes away without
 		// leaving. Every following request must succeed elsewhere.
