@@ -37,8 +37,8 @@ const (
 // itEngine is an OpenAI-compatible httptest engine. Streams send their
 // first event, then wait for release (if set) before finishing.
 type itEngine struct {
-	name    string
-	srv     *httptest.Server
+	name   string
+	srv    *httptest.Server
 	hits   atomic.Int64
 	gate   atomic.Pointer[streamGate] // nil: streams run without waiting
 	models []string
@@ -511,7 +511,9 @@ func TestIntegrationErrors(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer resp.Body.Close()
-		var e struct{ Error struct{ Message, Type, Code string } }
+		var e struct {
+			Error struct{ Message, Type, Code string }
+		}
 		if resp.StatusCode != 200 {
 			if err := json.NewDecoder(resp.Body).Decode(&e); err != nil || e.Error.Message == "" || e.Error.Type == "" || e.Error.Code == "" {
 				t.Errorf("status %d without OpenAI error JSON (%v)", resp.StatusCode, err)
