@@ -420,6 +420,35 @@ func TestAgentDrainsOnStop(t *testing.T) {
 	waitFor(t, "left", func() bool { return relay.count("left") == 1 })
 }
 
+func TestAgentEnforcesMaxConcurrency(t *testing.T) {
+	eng := newEngine(t)
+	relay := startRelay(t, "/ip4/127.0.0.1/udp/0/quic-v1", "")
+	a, _ := runAgent(t, Config{Relay: relay.addr(), Upstream: eng.srv.URL, MaxConcurrency: 1})
+	waitFor(t, "join", func() bool { _, ok := relay.current(a.ID()); return ok })
+	url := "http://" + a.ID().String() + "/v1/chat/completions"
+	resp, err := relay.client().Post(url, "application/json", strings.NewReader(`{"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	if _, err := br.ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	// The first request holds the only slot.
+	second, err := relay.client().Post(url, "application/json", strings.NewReader(`{}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, second.Body)
+	second.Body.Close()
+	if second.StatusCode != http.StatusTooManyRequests || second.Header.Get("Retry-After") == "" {
+		t.Fatalf("second request: %d Retry-After=%q", second.StatusCode, second.Header.Get("Retry-After"))
+	}
+	close(eng.release)
+	io.Copy(io.Discard, br)
+}
+
 func TestConfigValidation(t *testing.T) {
 	good := Config{Relay: "/ip4/127.0.0.1/udp/1/quic-v1/p2p/12D3KooWGzh9fVnBvQUzvTDiStHRrptQhY1SDCNwX5UzqjmdBM1A", Token: "t", Upstream: "http://127.0.0.1:8000"}
 	if _, err := New(good); err != nil {

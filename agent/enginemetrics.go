@@ -27,8 +27,7 @@ type metricRole int
 const (
 	roleRunning metricRole = iota
 	roleWaiting
-	roleKV        // ratio 0..1
-	roleKVPercent // 0..100
+	roleKV // ratio 0..1
 )
 
 // knownMetrics maps the series names of supported engines to their role.
@@ -77,10 +76,7 @@ func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
 			running += value
 		case roleWaiting:
 			waiting += value
-		case roleKV, roleKVPercent:
-			if k.role == roleKVPercent {
-				value /= 100
-			}
+		case roleKV:
 			m.KVCacheUsage = max(m.KVCacheUsage, min(value, 1))
 			m.HasKVCache = true
 		}
