@@ -329,9 +329,9 @@ func (a *Agent) join(ctx context.Context, h host.Host) (*transport.Membership, e
 	jctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
 	// Our own backoff paces reconnects; libp2p's dial backoff would
-	// otherwise refuse to redial a relay that was just down.
-	jctx = network.WithForceDirectDial(jctx, "computeflux agent reconnect")
-	if err := h.Connect(jctx, a.relay); err != nil {
+	// otherwise refuse to redial a relay that was just down. An existing
+	// direct connection is reused.
+	if err := h.Connect(network.WithForceDirectDial(jctx, "computeflux agent reconnect"), a.relay); err != nil {
 		return nil, fmt.Errorf("connect to relay: %w", err)
 	}
 	return transport.Join(jctx, h, a.relay.ID, a.token, a.Info())
