@@ -134,7 +134,7 @@ func pickError(err error, model string, failures int, allRateLimited bool, retry
 // Every outcome is reported to the scheduler exactly once.
 func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, att *scheduler.Attempt, c scheduler.Choice, rl *reqLog) attemptResult {
 	report := func(o scheduler.Outcome) { att.Report(c, o) }
-	pid, ok := r.reg.Peer(c.EndpointID)
+	upHost, ok := r.reg.upstreamHost(c.EndpointID)
 	if !ok {
 		report(scheduler.Outcome{Err: ErrAgentGone})
 		return attemptResult{err: fmt.Errorf("%s: %w", c.EndpointID, ErrAgentGone)}
@@ -142,7 +142,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 
 	ctx, cancel := context.WithCancelCause(req.Context())
 	defer cancel(nil)
-	up, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+pid.String()+req.URL.Path, bytes.NewReader(body))
+	up, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+upHost+req.URL.Path, bytes.NewReader(body))
 	if err != nil {
 		report(scheduler.Outcome{Err: err})
 		return attemptResult{err: err}

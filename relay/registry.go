@@ -43,6 +43,7 @@ type Registry struct {
 type entry struct {
 	name   string
 	peer   peer.ID
+	host   string // peer.String(), the upstream URL's host, encoded once
 	info   transport.JoinInfo
 	health scheduler.Health
 	dead   bool // removed from routing by SetDead; the join still holds the name
@@ -90,7 +91,7 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 		delete(g.byName, old.name)
 		oldName = old.name
 	}
-	e := &entry{name: info.Name, peer: p, info: cloneInfo(info)}
+	e := &entry{name: info.Name, peer: p, host: p.String(), info: cloneInfo(info)}
 	if prev, ok := g.byName[info.Name]; ok {
 		e.health = prev.health
 	}
@@ -205,6 +206,18 @@ func (g *Registry) Peer(name string) (peer.ID, bool) {
 		return "", false
 	}
 	return e.peer, true
+}
+
+// upstreamHost returns the URL host that reaches agent name: its peer ID
+// in text form.
+func (g *Registry) upstreamHost(name string) (string, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e, ok := g.byName[name]
+	if !ok {
+		return "", false
+	}
+	return e.host, true
 }
 
 // Name returns the agent name peer p joined as.
