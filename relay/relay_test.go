@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -728,5 +729,49 @@ func TestClientThatStopsReadingCancelsAgent(t *testing.T) {
 	case <-cancelled:
 	case <-time.After(60 * time.Second):
 		t.Fatal("the engine kept streaming to a client that does not read")
+	}
+}
+
+// TestPopulateKeepsSetFields sets every field of Config to a non-zero value
+// by reflection and checks that populate leaves it alone, so a new field
+// cannot be silently overwritten by defaulting.
+func TestPopulateKeepsSetFields(t *testing.T) {
+	var c Config
+	v := reflect.ValueOf(&c).Elem()
+	for i := 0; i < v.NumField(); i++ {
+		f := v.Field(i)
+		name := v.Type().Field(i).Name
+		switch f.Kind() {
+		case reflect.String:
+			f.SetString("x-" + name)
+		case reflect.Bool:
+			f.SetBool(true)
+		case reflect.Int, reflect.Int64:
+			f.SetInt(int64(1000 + i))
+		case reflect.Slice:
+			f.Set(reflect.MakeSlice(f.Type(), 1, 1))
+		case reflect.Interface, reflect.Struct:
+			// Host, Transport, Clock, Logger, Scheduler: checked below.
+		default:
+			t.Fatalf("field %s of kind %s: extend this test", name, f.Kind())
+		}
+	}
+	c.Policy = scheduler.PolicyLeastLoaded
+	c.Clock = realClock{}
+	c.Transport = http.DefaultTransport
+	got := populate(c)
+	gv := reflect.ValueOf(got)
+	for i := 0; i < v.NumField(); i++ {
+		name := v.Type().Field(i).Name
+		switch name {
+		case "Scheduler", "Logger", "Host":
+			continue
+		}
+		if !reflect.DeepEqual(gv.Field(i).Interface(), v.Field(i).Interface()) {
+			t.Errorf("populate changed %s", name)
+		}
+	}
+	if got.Scheduler.Policy != scheduler.PolicyLeastLoaded || got.Scheduler.Clock == nil {
+		t.Errorf("scheduler config not derived: %+v", got.Scheduler)
 	}
 }
