@@ -143,6 +143,7 @@ type allowListener struct {
 	s *HTTPServer
 }
 
+// Accept returns the next stream from an allowed peer.
 func (l *allowListener) Accept() (net.Conn, error) {
 	for {
 		c, err := l.Listener.Accept()
@@ -243,13 +244,23 @@ type streamConn struct {
 	network.Stream
 }
 
-func (c *streamConn) Close() error                  { return c.Stream.Reset() }
-func (c *streamConn) LocalAddr() net.Addr           { return peerAddr(c.Stream.Conn().LocalPeer()) }
-func (c *streamConn) RemoteAddr() net.Addr          { return peerAddr(c.Stream.Conn().RemotePeer()) }
+// Close resets the stream (see streamConn).
+func (c *streamConn) Close() error { return c.Stream.Reset() }
+
+// LocalAddr returns our peer ID.
+func (c *streamConn) LocalAddr() net.Addr { return peerAddr(c.Stream.Conn().LocalPeer()) }
+
+// RemoteAddr returns the server's peer ID.
+func (c *streamConn) RemoteAddr() net.Addr { return peerAddr(c.Stream.Conn().RemotePeer()) }
+
+// SetDeadline sets the stream's read and write deadlines.
 func (c *streamConn) SetDeadline(t time.Time) error { return c.Stream.SetDeadline(t) }
 
 // peerAddr is a peer ID as a net.Addr.
 type peerAddr peer.ID
 
+// Network returns gostream's network name, "libp2p".
 func (a peerAddr) Network() string { return gostream.Network }
-func (a peerAddr) String() string  { return peer.ID(a).String() }
+
+// String returns the peer ID.
+func (a peerAddr) String() string { return peer.ID(a).String() }

@@ -75,6 +75,7 @@ var (
 // refused the agent; Reason is the relay's explanation.
 type RejectedError struct{ Reason string }
 
+// Error says that the relay rejected the join, and why.
 func (e *RejectedError) Error() string { return "join rejected by relay: " + e.Reason }
 
 // Unwrap makes errors.Is(err, ErrRejected) true.
