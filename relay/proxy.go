@@ -39,7 +39,7 @@ var bufPool = sync.Pool{New: func() any { b := make([]byte, copyBufSize); return
 var hopHeaders = map[string]bool{
 	"Connection": true, "Keep-Alive": true, "Proxy-Connection": true, "Proxy-Authenticate": true,
 	"Proxy-Authorization": true, "Te": true, "Trailer": true, "Transfer-Encoding": true, "Upgrade": true,
-	HeaderAgent: true, HeaderAffinity: true,
+	http.CanonicalHeaderKey(HeaderAgent): true, http.CanonicalHeaderKey(HeaderAffinity): true,
 }
 
 // attemptResult is how one attempt ended.
@@ -191,8 +191,10 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 			h[k] = vv
 		}
 	}
-	h.Set(HeaderAgent, c.EndpointID)
-	h.Set(HeaderAffinity, c.Affinity.String())
+	// Set without canonicalising, so the wire shows the documented
+	// spelling (X-ComputeFlux-...); header names are case-insensitive.
+	h[HeaderAgent] = []string{c.EndpointID}
+	h[HeaderAffinity] = []string{c.Affinity.String()}
 	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 	if sse {
 		h.Set("X-Accel-Buffering", "no") // tell reverse proxies in front not to buffer
