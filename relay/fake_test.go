@@ -106,10 +106,11 @@ type fakeTransport struct {
 	mu   sync.Mutex
 	to   map[string]*url.URL // peer ID string -> engine URL
 	down map[string]bool
+	sent map[string]int // attempts per peer ID string, failed or not
 }
 
 func newFakeTransport(t testing.TB) *fakeTransport {
-	ft := &fakeTransport{base: &http.Transport{}, to: map[string]*url.URL{}, down: map[string]bool{}}
+	ft := &fakeTransport{base: &http.Transport{}, to: map[string]*url.URL{}, down: map[string]bool{}, sent: map[string]int{}}
 	t.Cleanup(ft.base.CloseIdleConnections)
 	return ft
 }
@@ -120,6 +121,7 @@ func (ft *fakeTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	ft.mu.Lock()
 	u, ok := ft.to[req.URL.Host]
 	down := ft.down[req.URL.Host]
+	ft.sent[req.URL.Host]++
 	ft.mu.Unlock()
 	if !ok || down {
 		if req.Body != nil {
@@ -133,6 +135,13 @@ func (ft *fakeTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 }
 
 func (ft *fakeTransport) CloseIdleConnections() { ft.base.CloseIdleConnections() }
+
+// attempts returns how many requests were sent towards peer p.
+func (ft *fakeTransport) attempts(p peer.ID) int {
+	ft.mu.Lock()
+	defer ft.mu.Unlock()
+	return ft.sent[p.String()]
+}
 
 func (ft *fakeTransport) setDown(p peer.ID, down bool) {
 	ft.mu.Lock()
