@@ -18,6 +18,7 @@ type Error struct {
 	Code       string        // OpenAI error code, e.g. "model_not_found"
 	Message    string        // human-readable text
 	RetryAfter time.Duration // sent as Retry-After when positive
+	Allow      string        // sent as Allow when set (405)
 	Err        error         // cause, for logs and errors.Is; never shown to clients
 }
 
@@ -60,7 +61,7 @@ func errNotFound(path string) *Error {
 
 func errMethod(method, allowed string) *Error {
 	return &Error{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error", Code: "method_not_allowed",
-		Message: "Method " + method + " not allowed; use " + allowed}
+		Message: "Method " + method + " not allowed; use " + allowed, Allow: allowed}
 }
 
 func errTooLarge(limit int64) *Error {
@@ -108,6 +109,9 @@ func writeError(w http.ResponseWriter, err error) *Error {
 	if e.RetryAfter > 0 {
 		secs := int64((e.RetryAfter + time.Second - 1) / time.Second)
 		h.Set("Retry-After", strconv.FormatInt(secs, 10))
+	}
+	if e.Allow != "" {
+		h.Set("Allow", e.Allow)
 	}
 	w.WriteHeader(e.Status)
 	b, _ := json.Marshal(errorBody{Error: errorObject{Message: e.Message, Type: e.Type, Code: e.Code}})

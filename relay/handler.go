@@ -84,7 +84,7 @@ func (r *Relay) get(w http.ResponseWriter, req *http.Request) bool {
 	if req.Method == http.MethodGet || req.Method == http.MethodHead {
 		return true
 	}
-	writeError(w, errMethod(req.Method, "GET"))
+	writeError(w, errMethod(req.Method, "GET, HEAD"))
 	return false
 }
 

@@ -771,3 +771,30 @@ func TestPopulateKeepsSetFields(t *testing.T) {
 		t.Errorf("scheduler config not derived: %+v", got.Scheduler)
 	}
 }
+
+func TestParseRetryAfter(t *testing.T) {
+	now := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	for in, want := range map[string]time.Duration{
+		"":                              0,
+		"7":                             7 * time.Second,
+		" 12 ":                          12 * time.Second,
+		"-3":                            0,
+		"soon":                          0,
+		"999999":                        time.Hour,
+		"Fri, 02 Jan 2026 03:04:35 GMT": 30 * time.Second,
+		"Fri, 02 Jan 2026 03:00:00 GMT": 0, // in the past
+	} {
+		if got := parseRetryAfter(in, now); got != want {
+			t.Errorf("%q: %v, want %v", in, got, want)
+		}
+	}
+}
+
+func TestMethodNotAllowedSaysAllow(t *testing.T) {
+	tb := newTestbed(t, []string{"a"}, nil)
+	resp := tb.do("GET", "/v1/embeddings", "")
+	if resp.StatusCode != 405 || resp.Header.Get("Allow") != "POST" {
+		t.Errorf("%d Allow %q", resp.StatusCode, resp.Header.Get("Allow"))
+	}
+	apiError(t, resp)
+}
