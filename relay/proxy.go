@@ -75,6 +75,7 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	for n := 0; n < r.cfg.MaxAttempts; n++ {
 		c, err := att.Pick()
 		if err != nil {
+			rl.agent, rl.affinity = "", "" // no agent served the request
 			return pickError(err, rt.model, failures, allRateLimited, retryAfter, lastErr)
 		}
 		if n > 0 {
