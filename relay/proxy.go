@@ -178,10 +178,15 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	defer bufPool.Put(bp)
 	buf := *bp
 	n, rerr := readSome(resp.Body, buf)
+	if !ttfbTimer.Stop() && errors.Is(context.Cause(ctx), ErrTTFBTimeout) {
+		// The timer fired as the first byte arrived: the request is
+		// cancelled already, and nothing has gone to the client yet.
+		rerr = ErrTTFBTimeout
+		n = 0
+	}
 	if n == 0 && rerr != nil && rerr != io.EOF {
 		return r.failed(ctx, req, report, start, resp.StatusCode, rerr)
 	}
-	ttfbTimer.Stop()
 	ttfb := r.cfg.Clock.Now().Sub(start)
 	rl.ttfb, rl.status = ttfb, resp.StatusCode
 
