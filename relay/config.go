@@ -60,6 +60,19 @@ type Config struct {
 	APIKeys []string
 	// NoAuth serves clients without any key. It must be set explicitly.
 	NoAuth bool
+	// KeyRPM bounds the inference requests one API key may start in any
+	// one-minute window; more get 429 with Retry-After. With NoAuth all
+	// clients share one budget. Zero means unlimited.
+	KeyRPM int
+	// KeyConcurrency bounds the inference requests one API key may have in
+	// flight; more get 429. With NoAuth all clients share one budget. Zero
+	// means unlimited.
+	KeyConcurrency int
+	// MetricsKey, if set, is required as "Authorization: Bearer KEY" on
+	// /metrics; client API keys do not open it. Empty means /metrics is
+	// public (keep the relay's port private or set a key: it names agents
+	// and shows their load).
+	MetricsKey string
 
 	// AddrFile, if set, receives the relay's dialable multiaddrs (with
 	// /p2p/<ID>), one per line, once Run is listening.
@@ -174,6 +187,12 @@ func validate(cfg Config) error {
 	}
 	if cfg.MaxBodyBytes < 0 || cfg.MaxHeaderBytes < 0 {
 		errs = append(errs, errors.New("negative size limit"))
+	}
+	if cfg.KeyRPM < 0 || cfg.KeyRPM > MaxKeyRPM || cfg.KeyConcurrency < 0 {
+		errs = append(errs, fmt.Errorf("per-key limits: KeyRPM must be 0..%d and KeyConcurrency not negative", MaxKeyRPM))
+	}
+	if cfg.MetricsKey != "" && strings.TrimSpace(cfg.MetricsKey) != cfg.MetricsKey {
+		errs = append(errs, errors.New("MetricsKey has leading or trailing white space"))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("relay config: %w", err)

@@ -1,6 +1,8 @@
 package relay
 
 import (
+	"crypto/sha256"
+	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"net/http"
@@ -64,7 +66,7 @@ func (r *Relay) serveHTTP(w http.ResponseWriter, req *http.Request) {
 			r.serveHealth(w)
 		}
 	case "/metrics":
-		if r.get(w, req) {
+		if r.get(w, req) && r.authMetrics(w, req) {
 			promhttp.HandlerFor(r.metrics.reg, promhttp.HandlerOpts{}).ServeHTTP(w, req)
 		}
 	default:
@@ -97,6 +99,21 @@ func (r *Relay) auth(w http.ResponseWriter, req *http.Request) bool {
 	return false
 }
 
+// authMetrics answers 401 unless /metrics is public (no MetricsKey) or
+// req carries the metrics key. Client API keys do not open it.
+func (r *Relay) authMetrics(w http.ResponseWriter, req *http.Request) bool {
+	if r.cfg.MetricsKey == "" {
+		return true
+	}
+	want := sha256.Sum256([]byte(r.cfg.MetricsKey))
+	got := keyID(req, false)
+	if subtle.ConstantTimeCompare(want[:], got[:]) == 1 {
+		return true
+	}
+	writeError(w, errUnauthorized())
+	return false
+}
+
 // serveInferenceLogged serves one inference request and writes its log line
 // and metrics.
 func (r *Relay) serveInferenceLogged(w http.ResponseWriter, req *http.Request) {
@@ -105,6 +122,12 @@ func (r *Relay) serveInferenceLogged(w http.ResponseWriter, req *http.Request) {
 	var err error
 	if !r.cfg.NoAuth && !r.keys.check(req) {
 		err = errUnauthorized()
+	} else if r.limits != nil {
+		id := keyID(req, r.cfg.NoAuth)
+		if err = r.limits.acquire(id); err == nil {
+			err = r.serveInference(w, req, rl)
+			r.limits.release(id)
+		}
 	} else {
 		err = r.serveInference(w, req, rl)
 	}

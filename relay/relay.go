@@ -29,6 +29,7 @@ type Relay struct {
 	sched   *scheduler.Scheduler
 	reg     *Registry
 	keys    *keyring
+	limits  *keyLimits // nil without per-key limits
 	rt      http.RoundTripper
 	metrics *metrics
 	handler http.Handler
@@ -54,11 +55,12 @@ func New(cfg Config) (*Relay, error) {
 		return nil, fmt.Errorf("relay: scheduler: %w", err)
 	}
 	r := &Relay{
-		cfg:   cfg,
-		log:   cfg.Logger.With().Str("component", "relay").Logger(),
-		sched: sched,
-		keys:  newKeyring(cfg.APIKeys),
-		rt:    cfg.Transport,
+		cfg:    cfg,
+		log:    cfg.Logger.With().Str("component", "relay").Logger(),
+		sched:  sched,
+		keys:   newKeyring(cfg.APIKeys),
+		limits: newKeyLimits(cfg.KeyRPM, cfg.KeyConcurrency, cfg.Clock),
+		rt:     cfg.Transport,
 	}
 	r.reg = newRegistry(sched, r.log)
 	r.metrics = newMetrics(r)

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"strings"
 	"time"
@@ -18,7 +19,7 @@ import (
 
 // runRelay serves the OpenAI API and the agents' join service until ctx ends.
 func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	cfg, err := relayConfig(args, os.LookupEnv, stderr)
+	cfg, tlsFiles, err := relayConfig(args, os.LookupEnv, stderr)
 	if err != nil {
 		return err
 	}
@@ -29,13 +30,47 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	for _, a := range r.Addrs() {
 		fmt.Fprintf(stdout, "relay p2p address: %s\n", a)
 	}
-	return r.Run(ctx)
+	if tlsFiles.cert == "" {
+		if !isLoopbackListen(cfg.Listen) {
+			cfg.Logger.Warn().Str("listen", cfg.Listen).Msg("serving plain HTTP: clients' API keys cross the network in clear text; use --tls-cert/--tls-key or a TLS proxy in front")
+		}
+		return r.Run(ctx)
+	}
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		_ = r.Close()
+		return fmt.Errorf("relay: listen: %w", err)
+	}
+	tln, err := relay.NewTLSListener(ln, tlsFiles.cert, tlsFiles.key)
+	if err != nil {
+		_ = ln.Close()
+		_ = r.Close()
+		return err
+	}
+	return r.Serve(ctx, tln)
+}
+
+// relayTLS names the relay's certificate and key files (both or neither).
+type relayTLS struct{ cert, key string }
+
+// isLoopbackListen reports whether addr listens on loopback only.
+func isLoopbackListen(addr string) bool {
+	h, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if h == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(h)
+	return ip != nil && ip.IsLoopback()
 }
 
 // relayConfig turns the command line, then COMPUTEFLUX_* environment
 // variables for flags not given, into a relay.Config.
-func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io.Writer) (relay.Config, error) {
+func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io.Writer) (relay.Config, relayTLS, error) {
 	var cfg relay.Config
+	var tf relayTLS
 	var p2pListen, token, tokenFile, keysFile, policy, logFormat, logLevel string
 	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -52,16 +87,21 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.DurationVar(&cfg.TTFBTimeout, "ttfb-timeout", relay.DefaultTTFBTimeout, "longest wait for an agent's first response byte")
 	fs.DurationVar(&cfg.IdleTimeout, "idle-timeout", relay.DefaultIdleTimeout, "longest gap between streamed chunks")
 	fs.Int64Var(&cfg.MaxBodyBytes, "max-body", relay.DefaultMaxBodyBytes, "largest request body in `bytes`")
+	fs.IntVar(&cfg.KeyRPM, "key-rpm", 0, "inference requests one API key may start per minute (0: unlimited)")
+	fs.IntVar(&cfg.KeyConcurrency, "key-concurrency", 0, "inference requests one API key may have in flight (0: unlimited)")
+	fs.StringVar(&cfg.MetricsKey, "metrics-key", "", "bearer `key` required on /metrics (empty: /metrics is public)")
+	fs.StringVar(&tf.cert, "tls-cert", "", "serve HTTPS with this PEM certificate chain `file` (with --tls-key)")
+	fs.StringVar(&tf.key, "tls-key", "", "PEM private key `file` for --tls-cert")
 	fs.StringVar(&logFormat, "log-format", "console", "log format: console or json")
 	fs.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	if err := fs.Parse(args); err != nil {
-		return cfg, err
+		return cfg, tf, err
 	}
 	if fs.NArg() > 0 {
-		return cfg, fmt.Errorf("relay: unexpected arguments %q", fs.Args())
+		return cfg, tf, fmt.Errorf("relay: unexpected arguments %q", fs.Args())
 	}
 	if err := relayFlagsFromEnv(fs, lookupEnv); err != nil {
-		return cfg, err
+		return cfg, tf, err
 	}
 
 	for _, a := range strings.Split(p2pListen, ",") {
@@ -71,39 +111,39 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	}
 	switch {
 	case token != "" && tokenFile != "":
-		return cfg, errors.New("relay: give --token or --token-file, not both")
+		return cfg, tf, errors.New("relay: give --token or --token-file, not both")
 	case tokenFile != "":
 		b, err := os.ReadFile(tokenFile)
 		if err != nil {
-			return cfg, fmt.Errorf("relay: --token-file: %w", err)
+			return cfg, tf, fmt.Errorf("relay: --token-file: %w", err)
 		}
 		token = strings.TrimSpace(string(b))
 	}
 	if token == "" {
-		return cfg, errors.New("relay: a join token is required (--token-file or --token)")
+		return cfg, tf, errors.New("relay: a join token is required (--token-file or --token)")
 	}
 	cfg.Token = []byte(token)
 	if keysFile != "" {
 		keys, err := relay.LoadAPIKeys(keysFile)
 		if err != nil {
-			return cfg, fmt.Errorf("relay: %w", err)
+			return cfg, tf, fmt.Errorf("relay: %w", err)
 		}
 		if len(keys) == 0 {
-			return cfg, fmt.Errorf("relay: --api-keys-file %s holds no keys", keysFile)
+			return cfg, tf, fmt.Errorf("relay: --api-keys-file %s holds no keys", keysFile)
 		}
 		cfg.APIKeys = keys
 	}
 	if len(cfg.APIKeys) == 0 && !cfg.NoAuth {
-		return cfg, errors.New("relay: no client API keys: give --api-keys-file, or --no-auth to serve anyone")
+		return cfg, tf, errors.New("relay: no client API keys: give --api-keys-file, or --no-auth to serve anyone")
 	}
 	p, err := scheduler.ParsePolicy(policy)
 	if err != nil {
-		return cfg, fmt.Errorf("relay: --policy: %w", err)
+		return cfg, tf, fmt.Errorf("relay: --policy: %w", err)
 	}
 	cfg.Policy = p
 	level, err := zerolog.ParseLevel(logLevel)
 	if err != nil {
-		return cfg, fmt.Errorf("relay: --log-level: %w", err)
+		return cfg, tf, fmt.Errorf("relay: --log-level: %w", err)
 	}
 	switch logFormat {
 	case "json":
@@ -111,9 +151,12 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	case "console":
 		cfg.Logger = zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.TimeOnly, NoColor: true}).Level(level).With().Timestamp().Logger()
 	default:
-		return cfg, fmt.Errorf("relay: --log-format %q: want console or json", logFormat)
+		return cfg, tf, fmt.Errorf("relay: --log-format %q: want console or json", logFormat)
 	}
-	return cfg, nil
+	if (tf.cert == "") != (tf.key == "") {
+		return cfg, tf, errors.New("relay: give both --tls-cert and --tls-key, or neither")
+	}
+	return cfg, tf, nil
 }
 
 // relayFlagsFromEnv sets every flag not given on the command line from the
