@@ -18,6 +18,9 @@ func TestMain(m *testing.M) {
 	MaybeRunRole()
 	code := m.Run()
 	netlab.CloseAll()
+	if binDir != "" {
+		_ = os.RemoveAll(binDir)
+	}
 	if code == 0 {
 		if err := goleak.Find(
 			goleak.IgnoreAnyFunction("os/signal.signal_recv"),

@@ -1,0 +1,406 @@
+package scenario
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/computeflux/computeflux/transport/internal/netlab"
+)
+
+// binary returns the computeflux binary to run: CF_NATLAB_BIN, else one built
+// into a temporary directory. It skips the test when labs cannot be built
+// here or there is no go command to build with.
+func binary(t *testing.T) string {
+	t.Helper()
+	if err := netlab.Available(); err != nil {
+		t.Skipf("skipping NAT lab: %v", err)
+	}
+	if bin := os.Getenv("CF_NATLAB_BIN"); bin != "" {
+		return bin
+	}
+	binOnce.Do(func() {
+		goBin, err := exec.LookPath("go")
+		if err != nil {
+			binErr = fmt.Errorf("no go command to build computeflux with (set CF_NATLAB_BIN): %w", err)
+			return
+		}
+		dir, err := os.MkdirTemp("", "natlab-bin")
+		if err != nil {
+			binErr = err
+			return
+		}
+		binDir = dir
+		binPath = filepath.Join(dir, "computeflux")
+		out, err := exec.Command(goBin, "build", "-o", binPath, "github.com/computeflux/computeflux/cmd/computeflux").CombinedOutput()
+		if err != nil {
+			binErr = fmt.Errorf("building computeflux: %w: %s", err, out)
+		}
+	})
+	if binErr != nil {
+		if strings.Contains(binErr.Error(), "no go command") {
+			t.Skip(binErr)
+		}
+		t.Fatal(binErr)
+	}
+	return binPath
+}
+
+var (
+	binOnce         sync.Once
+	binPath, binDir string // binDir is removed by TestMain
+	binErr          error
+)
+
+// newCluster starts a cluster for t, closed when t ends; on failure the
+// processes' logs are kept and their directory named.
+func newCluster(t *testing.T, homes ...netlab.NATKind) *Cluster {
+	t.Helper()
+	bin := binary(t)
+	dir, err := os.MkdirTemp("", "natlab-cluster")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c, err := NewCluster(ctx, ClusterConfig{
+		Bin: bin, Dir: dir, Homes: homes, Prefix: os.Getenv("CF_NATLAB_PREFIX"),
+		Logf: func(string, ...any) {},
+	})
+	if err != nil {
+		t.Fatalf("cluster (logs in %s): %v", dir, err)
+	}
+	t.Logf("cluster: %d homes, logs in %s, features %+v", len(homes), dir, c.Features)
+	t.Cleanup(func() {
+		c.Close()
+		if t.Failed() || os.Getenv("CF_NATLAB_KEEP_LOGS") != "" {
+			t.Logf("logs kept in %s", dir)
+			return
+		}
+		_ = os.RemoveAll(dir)
+	})
+	return c
+}
+
+// report prints the scenario's one line for scripts/natlab.sh.
+func report(t *testing.T, name string, figures ...string) {
+	verdict := "PASS"
+	if t.Failed() {
+		verdict = "FAIL"
+	}
+	fmt.Println(strings.Join(append([]string{"SCENARIO", name, verdict}, figures...), " "))
+}
+
+func msStr(d time.Duration) string { return fmt.Sprintf("%.0f", float64(d)/float64(time.Millisecond)) }
+
+// TestCluster runs the computeflux binary in a lab with three homes (two
+// endpoint-independent NATs, one symmetric) and checks, in order: completions
+// through the relay reach every home and stick to a session, a partitioned
+// home leaves the rotation and comes back after the link heals, and agents
+// serve again after the relay restarts.
+func TestCluster(t *testing.T) {
+	eim, sym := netlab.EndpointIndependent, netlab.Symmetric
+	c := newCluster(t, eim, eim, sym)
+	steps := []struct {
+		name string
+		run  func(*testing.T, *Cluster)
+	}{
+		{"completions-sticky", testCompletions},
+		{"partition", testPartition},
+		{"relay-restart", testRelayRestart},
+	}
+	for _, s := range steps {
+		if !t.Run(s.name, func(t *testing.T) { s.run(t, c) }) {
+			// Later steps assume the cluster is healthy.
+			break
+		}
+	}
+}
+
+// testCompletions: every home serves its own model, streamed and not, and
+// every session sticks to one agent across its requests.
+func testCompletions(t *testing.T, c *Cluster) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	const sessions, perSession = 4, 8
+	var lat []float64
+	homesOK := 0
+	for i := range c.Lab.Homes {
+		ok := true
+		for _, stream := range []bool{false, true} {
+			r, err := c.Complete(ctx, HomeModel(i), "", stream)
+			switch {
+			case err != nil:
+				t.Errorf("home %d model, stream=%v: %v", i, stream, err)
+				ok = false
+			case r.Agent != AgentName(i):
+				t.Errorf("home %d model served by %q", i, r.Agent)
+				ok = false
+			case r.Content == "":
+				t.Errorf("home %d model, stream=%v: empty answer", i, stream)
+				ok = false
+			case stream && r.Chunks == 0:
+				t.Errorf("home %d: stream without content chunks", i)
+				ok = false
+			}
+			lat = append(lat, float64(r.Latency.Microseconds())/1000)
+		}
+		if ok {
+			homesOK++
+		}
+	}
+	sticky, hits, requests := 0, 0, 0
+	spread := map[string]int{}
+	for s := 0; s < sessions; s++ {
+		session := fmt.Sprintf("netlab-session-%d", s)
+		first := ""
+		same := true
+		for n := 0; n < perSession; n++ {
+			r, err := c.Complete(ctx, SharedModel, session, n%2 == 1)
+			requests++
+			if err != nil {
+				t.Errorf("session %d request %d: %v", s, n, err)
+				same = false
+				continue
+			}
+			lat = append(lat, float64(r.Latency.Microseconds())/1000)
+			if r.Affinity == "hit" {
+				hits++
+			}
+			if first == "" {
+				first = r.Agent
+				spread[first]++
+			} else if r.Agent != first {
+				t.Errorf("session %d request %d served by %s, first by %s (affinity %s)", s, n, r.Agent, first, r.Affinity)
+				same = false
+			}
+		}
+		if same {
+			sticky++
+		}
+	}
+	keys := make([]string, 0, len(spread))
+	for k, v := range spread {
+		keys = append(keys, fmt.Sprintf("%s:%d", k, v))
+	}
+	sort.Strings(keys)
+	report(t, "completions-sticky",
+		fmt.Sprintf("homes_ok=%d/%d", homesOK, len(c.Lab.Homes)),
+		fmt.Sprintf("sticky_sessions=%d/%d", sticky, sessions),
+		fmt.Sprintf("affinity_hits=%d/%d", hits, requests-sessions),
+		"sessions_per_agent="+strings.Join(keys, ","),
+		fmt.Sprintf("latency_ms_p50=%.1f", Median(lat)))
+}
+
+// sample is one request of the background load during a partition.
+type sample struct {
+	at      time.Time
+	latency time.Duration
+	agent   string
+	err     error
+}
+
+// load sends a request on the shared model every interval, rotating over a
+// few sessions (so that some are mapped to the home about to be cut), until
+// stop is closed, and returns every outcome.
+func load(c *Cluster, interval time.Duration, stop <-chan struct{}) []sample {
+	var (
+		mu  sync.Mutex // guards out
+		out []sample
+		wg  sync.WaitGroup
+	)
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for n := 0; ; n++ {
+		select {
+		case <-stop:
+			wg.Wait()
+			return out
+		case <-t.C:
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+			defer cancel()
+			at := time.Now()
+			r, err := c.Complete(ctx, SharedModel, fmt.Sprintf("netlab-load-%d", n%6), false)
+			mu.Lock()
+			out = append(out, sample{at: at, latency: time.Since(at), agent: r.Agent, err: err})
+			mu.Unlock()
+		}()
+	}
+}
+
+// hasModel reports whether the relay lists model m (it lists the models of
+// routable agents only).
+func hasModel(ctx context.Context, c *Cluster, m string) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	ms, err := c.Models(ctx)
+	if err != nil {
+		return false, nil // the relay may be busy or restarting: keep polling
+	}
+	return slices.Contains(ms, m), nil
+}
+
+// serves reports whether a request for home i's own model is served by it.
+func serves(ctx context.Context, c *Cluster, i int) bool {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	r, err := c.Complete(ctx, HomeModel(i), "", false)
+	return err == nil && r.Agent == AgentName(i)
+}
+
+// testPartition cuts home 1's WAN link, waits for the relay to drop its agent
+// (its own model leaves the relay's list), checks that requests keep being
+// served by the others, heals the link and waits for the same agent process
+// to serve again.
+func testPartition(t *testing.T, c *Cluster) {
+	const home = 1
+	agent := c.Agents[home]
+	pid := agent.PID()
+	stop := make(chan struct{})
+	samples := make(chan []sample, 1)
+	go func() { samples <- load(c, 250*time.Millisecond, stop) }()
+	stopped := false
+	defer func() {
+		if !stopped {
+			close(stop)
+			<-samples
+		}
+	}()
+
+	relayLog := c.Relay.Log.Len()
+	tCut := time.Now()
+	if err := c.Lab.Cut(home); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	var removal time.Duration
+	if err := Poll(ctx, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+		has, err := hasModel(ctx, c, HomeModel(home))
+		return !has, err
+	}); err != nil {
+		t.Errorf("relay still routes to the cut home after %v: %v", time.Since(tCut).Round(time.Millisecond), err)
+	} else {
+		removal = time.Since(tCut)
+	}
+	// What told the relay: its log lines about the agent since the cut.
+	var why []string
+	for _, l := range c.Relay.Log.Lines(relayLog, func(l Line) bool { return l.Str("agent") == AgentName(home) }) {
+		why = append(why, fmt.Sprintf("%s@%s", strings.ReplaceAll(l.Message(), " ", "_"), msStr(l.At.Sub(tCut))))
+	}
+	// Requests after the removal go to the others and succeed.
+	tRemoved := time.Now()
+	after := 0
+	if err := Poll(ctx, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
+		r, err := c.Complete(ctx, SharedModel, "netlab-after-cut", false)
+		if err != nil {
+			return false, fmt.Errorf("request during the partition: %w", err)
+		}
+		if r.Agent == AgentName(home) {
+			return false, fmt.Errorf("request during the partition served by the cut home")
+		}
+		after++
+		return after >= 10, nil
+	}); err != nil {
+		t.Error(err)
+	}
+
+	tHeal := time.Now()
+	if err := c.Lab.Heal(home); err != nil {
+		t.Fatal(err)
+	}
+	var back time.Duration
+	if err := Poll(ctx, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
+		return serves(ctx, c, home), nil
+	}); err != nil {
+		t.Errorf("healed home not back in rotation after %v: %v", time.Since(tHeal).Round(time.Millisecond), err)
+	} else {
+		back = time.Since(tHeal)
+	}
+	if !agent.Running() || agent.PID() != pid {
+		t.Errorf("the agent of the cut home restarted or exited")
+	}
+	close(stop)
+	stopped = true
+	all := <-samples
+
+	// The background load: every request issued once the relay had dropped
+	// the home must succeed; before that, report how many failed or waited.
+	var okN, failBefore, failAfter int
+	var maxLat time.Duration
+	for _, s := range all {
+		maxLat = max(maxLat, s.latency)
+		switch {
+		case s.err == nil:
+			okN++
+		case s.at.Before(tRemoved):
+			failBefore++
+		default:
+			failAfter++
+			t.Errorf("load request at +%v failed after the removal: %v", s.at.Sub(tCut).Round(time.Millisecond), s.err)
+		}
+	}
+	t.Logf("partition: removal %v, back %v, relay saw %v, load ok %d/%d", removal, back, why, okN, len(all))
+	report(t, "partition",
+		"removal_ms="+msStr(removal), "return_ms="+msStr(back),
+		fmt.Sprintf("load_ok=%d/%d", okN, len(all)),
+		fmt.Sprintf("load_failed_before_removal=%d", failBefore),
+		fmt.Sprintf("load_failed_after_removal=%d", failAfter),
+		"load_max_latency_ms="+msStr(maxLat),
+		"relay_saw="+strings.Join(append(why, "-")[:max(1, len(why))], ","))
+}
+
+// testRelayRestart stops the relay cleanly, starts it again with the same
+// identity, and measures how long until every agent has joined the new relay
+// and until each serves its own model through it.
+func testRelayRestart(t *testing.T, c *Cluster) {
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	marks := make([]int, len(c.Agents))
+	for i, a := range c.Agents {
+		marks[i] = a.Log.Len()
+	}
+	tStop := time.Now()
+	c.StopRelay()
+	tDown := time.Now()
+	if err := c.StartRelay(ctx); err != nil {
+		t.Fatal(err)
+	}
+	tUp := time.Now()
+	var rejoin time.Duration
+	for i, a := range c.Agents {
+		l, err := a.Log.WaitFrom(ctx, marks[i], Msg("joined relay"))
+		if err != nil {
+			t.Fatalf("agent %d did not rejoin: %v\n%s", i, err, a.Log.Tail(10))
+		}
+		rejoin = max(rejoin, l.At.Sub(tUp))
+	}
+	var serve time.Duration
+	for i := range c.Agents {
+		if err := Poll(ctx, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+			return serves(ctx, c, i), nil
+		}); err != nil {
+			t.Fatalf("agent %d does not serve after the restart: %v", i, err)
+		}
+		serve = max(serve, time.Since(tUp))
+	}
+	if serve > 30*time.Second {
+		t.Errorf("agents served again %v after the relay came back, want within 30s", serve.Round(time.Millisecond))
+	}
+	report(t, "relay-restart",
+		"stop_ms="+msStr(tDown.Sub(tStop)), "start_ms="+msStr(tUp.Sub(tDown)),
+		"rejoin_ms="+msStr(rejoin), "serve_ms="+msStr(serve),
+		"total_ms="+msStr(tUp.Sub(tStop)+serve))
+}
