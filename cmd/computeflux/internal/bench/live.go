@@ -1,0 +1,341 @@
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay/relaytest"
+	"github.com/computeflux/computeflux/scheduler"
+)
+
+// liveRun is one policy's run against a real in-process cluster.
+type liveRun struct {
+	cfg    *Config
+	w      *Workload
+	c      *relaytest.Cluster
+	client *http.Client
+	start  time.Time
+	sent   atomic.Int64
+	done   atomic.Int64
+	failed atomic.Int64
+
+	mu   sync.Mutex // guards recs
+	recs []record
+}
+
+// runLive runs policy p on a fresh cluster and drives w through the relay.
+func runLive(ctx context.Context, cfg *Config, w *Workload, p scheduler.Policy) (Result, error) {
+	wall := time.Now()
+	ctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
+	defer cancel()
+	engines := cfg.Engines
+	if cfg.Scenario == ScenarioJoin {
+		engines--
+	}
+	ec := cfg.Engine
+	ec.Seed = cfg.Seed
+	c, err := relaytest.Start(ctx, relaytest.Config{
+		Engines:     engines,
+		Engine:      simengine.Config{Models: []string{cfg.Model}, TimeScale: cfg.TimeScale, Engine: ec},
+		Policy:      p,
+		Scheduler:   cfg.Scheduler,
+		MaxAttempts: cfg.MaxAttempts,
+		Capacity:    cfg.Capacity,
+	})
+	if err != nil {
+		return Result{}, err
+	}
+	defer c.Close()
+	tr := &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, IdleConnTimeout: 30 * time.Second}
+	defer tr.CloseIdleConnections()
+	r := &liveRun{cfg: cfg, w: w, c: c, client: &http.Client{Transport: tr}, start: time.Now()}
+
+	var wg sync.WaitGroup
+	stopAux := make(chan struct{})
+	var actErr error
+	wg.Go(func() { actErr = r.scenario(ctx, stopAux) })
+	if cfg.Progress != nil {
+		wg.Go(func() { r.progress(p, stopAux) })
+	}
+	var clients sync.WaitGroup
+	if w.Chat {
+		for i := range w.Sessions {
+			clients.Go(func() { r.chatSession(ctx, i) })
+		}
+	} else {
+		clients.Go(func() { r.replay(ctx, &clients) })
+	}
+	clients.Wait()
+	close(stopAux)
+	wg.Wait()
+	if err := ctx.Err(); err != nil {
+		return Result{}, fmt.Errorf("live run stopped after %d of %d requests: %w", r.done.Load(), w.Requests(), err)
+	}
+	if actErr != nil {
+		return Result{}, actErr
+	}
+	res := summarize(p.String(), cfg.Scenario.String(), "live", r.recs, cfg.Engines)
+	res.Wall = time.Since(wall)
+	return res, nil
+}
+
+// real converts model time to real time.
+func (r *liveRun) real(d time.Duration) time.Duration {
+	return time.Duration(float64(d) / r.cfg.TimeScale)
+}
+
+// model converts real time to model time.
+func (r *liveRun) model(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * r.cfg.TimeScale)
+}
+
+// sleepUntil waits until model time at; false if ctx ended.
+func (r *liveRun) sleepUntil(ctx context.Context, at time.Duration) bool {
+	d := time.Until(r.start.Add(r.real(at)))
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// admit reports whether another request may be sent now (the run's bounds).
+func (r *liveRun) admit() bool {
+	if r.cfg.Duration > 0 && r.model(time.Since(r.start)) > r.cfg.Duration {
+		return false
+	}
+	if n := r.sent.Add(1); r.cfg.MaxRequests > 0 && n > int64(r.cfg.MaxRequests) {
+		return false
+	}
+	return true
+}
+
+// chatSession plays session i: turn after turn, each after its think time.
+func (r *liveRun) chatSession(ctx context.Context, i int) {
+	s := &r.w.Sessions[i]
+	conv := newConversation(r.w, s)
+	at := s.Start
+	for t := range s.Turns {
+		turn := &s.Turns[t]
+		at += turn.Think
+		if !r.sleepUntil(ctx, at) || !r.admit() {
+			return
+		}
+		answer, ok := r.request(ctx, s.Key, conv.next(turn), turn.MaxTokens)
+		if !ok {
+			return // a client gives up on a conversation after an error
+		}
+		conv.answered(answer)
+		at = r.model(time.Since(r.start))
+	}
+}
+
+// replay sends every trace request at its time.
+func (r *liveRun) replay(ctx context.Context, wg *sync.WaitGroup) {
+	type item struct {
+		s *Session
+		t *Turn
+	}
+	var items []item
+	for i := range r.w.Sessions {
+		for j := range r.w.Sessions[i].Turns {
+			items = append(items, item{&r.w.Sessions[i], &r.w.Sessions[i].Turns[j]})
+		}
+	}
+	slices.SortStableFunc(items, func(a, b item) int { return cmp.Compare(a.t.At, b.t.At) })
+	for _, it := range items {
+		if !r.sleepUntil(ctx, it.t.At) || !r.admit() {
+			return
+		}
+		conv := newConversation(r.w, it.s)
+		msgs := conv.next(it.t)
+		wg.Go(func() { r.request(ctx, it.s.Key, msgs, it.t.MaxTokens) })
+	}
+}
+
+// chatRequest is the body the bench sends.
+type chatRequest struct {
+	Model         string    `json:"model"`
+	Messages      []message `json:"messages"`
+	Stream        bool      `json:"stream"`
+	MaxTokens     int       `json:"max_tokens"`
+	StreamOptions struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
+}
+
+// streamChunk is the part of a streamed chunk the bench reads.
+type streamChunk struct {
+	Choices []struct {
+		Delta struct {
+			Content string `json:"content"`
+		} `json:"delta"`
+	} `json:"choices"`
+	Usage *struct {
+		PromptTokens     int `json:"prompt_tokens"`
+		CompletionTokens int `json:"completion_tokens"`
+		Details          struct {
+			CachedTokens int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
+	} `json:"usage"`
+	Error *struct {
+		Message string `json:"message"`
+	} `json:"error"`
+}
+
+// request sends one streamed chat completion and records it. It returns
+// the answer's text and whether the request succeeded.
+func (r *liveRun) request(ctx context.Context, session string, msgs []message, maxTokens int) (string, bool) {
+	rec := record{engine: -1}
+	sent := time.Now()
+	rec.first = r.model(sent.Sub(r.start))
+	answer, err := r.do(ctx, session, msgs, maxTokens, sent, &rec)
+	if err != nil {
+		rec.failed = true
+		r.failed.Add(1)
+	}
+	r.done.Add(1)
+	r.mu.Lock()
+	r.recs = append(r.recs, rec)
+	r.mu.Unlock()
+	return answer, err == nil
+}
+
+func (r *liveRun) do(ctx context.Context, session string, msgs []message, maxTokens int, sent time.Time, rec *record) (string, error) {
+	body := chatRequest{Model: r.cfg.Model, Messages: msgs, Stream: true, MaxTokens: maxTokens}
+	body.StreamOptions.IncludeUsage = true
+	b, err := json.Marshal(&body)
+	if err != nil {
+		return "", err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.c.URL()+"/v1/chat/completions", bytes.NewReader(b))
+	if err != nil {
+		return "", err
+	}
+	req.Header.Set("Authorization", "Bearer "+r.c.APIKey())
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Session-ID", session)
+	resp, err := r.client.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		return "", fmt.Errorf("status %d: %s", resp.StatusCode, bytes.TrimSpace(msg))
+	}
+	if name, ok := strings.CutPrefix(resp.Header.Get("X-ComputeFlux-Agent"), "agent-"); ok {
+		if n, err := strconv.Atoi(name); err == nil {
+			rec.engine = n
+		}
+	}
+	var answer strings.Builder
+	gotFirst, gotUsage, gotDone := false, false, false
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 0, 64<<10), 4<<20)
+	for sc.Scan() {
+		line, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if line == "[DONE]" {
+			gotDone = true
+			break
+		}
+		var ch streamChunk
+		if err := json.Unmarshal([]byte(line), &ch); err != nil {
+			return "", fmt.Errorf("stream: %w", err)
+		}
+		if ch.Error != nil {
+			return "", fmt.Errorf("stream error: %s", ch.Error.Message)
+		}
+		for _, c := range ch.Choices {
+			if c.Delta.Content != "" && !gotFirst {
+				gotFirst = true
+				rec.ttft = r.model(time.Since(sent))
+			}
+			answer.WriteString(c.Delta.Content)
+		}
+		if ch.Usage != nil {
+			gotUsage = true
+			rec.prompt, rec.completion, rec.cached = ch.Usage.PromptTokens, ch.Usage.CompletionTokens, ch.Usage.Details.CachedTokens
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return "", fmt.Errorf("stream: %w", err)
+	}
+	if !gotFirst || !gotUsage || !gotDone {
+		return "", errors.New("stream ended early")
+	}
+	now := time.Now()
+	rec.e2e = r.model(now.Sub(sent))
+	rec.done = r.model(now.Sub(r.start))
+	return answer.String(), nil
+}
+
+// scenario applies the scenario's actions at their times.
+func (r *liveRun) scenario(ctx context.Context, stop <-chan struct{}) error {
+	for _, a := range scenarioActions(r.cfg.Scenario, r.w, r.cfg.Engines) {
+		t := time.NewTimer(time.Until(r.start.Add(r.real(a.at))))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-stop:
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+		var err error
+		switch a.kind {
+		case actSlow:
+			err = r.c.SlowEngine(a.engine, a.factor)
+		case actKill:
+			err = r.c.KillAgent(a.engine)
+		case actRestart:
+			err = r.c.RestartAgent(ctx, a.engine)
+		case actJoin:
+			_, err = r.c.AddEngine(ctx)
+		}
+		if err != nil && ctx.Err() == nil {
+			return fmt.Errorf("scenario %s: %w", r.cfg.Scenario, err)
+		}
+	}
+	return nil
+}
+
+// progress prints a line every ProgressEvery until stop.
+func (r *liveRun) progress(p scheduler.Policy, stop <-chan struct{}) {
+	t := time.NewTicker(r.cfg.ProgressEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+			fmt.Fprintf(r.cfg.Progress, "bench %s %s: %d/%d requests done, %d errors, %s elapsed, model time %s\n",
+				p, r.cfg.Scenario, r.done.Load(), r.w.Requests(), r.failed.Load(),
+				time.Since(r.start).Round(time.Second), r.model(time.Since(r.start)).Round(time.Second))
+		}
+	}
+}

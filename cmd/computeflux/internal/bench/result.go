@@ -1,0 +1,211 @@
+package bench
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// record is what one request measured.
+type record struct {
+	ttft, e2e   time.Duration
+	prompt      int
+	cached      int
+	completion  int
+	engine      int // index of the engine that served it; -1 when none
+	failed      bool
+	first, done time.Duration // from the run's start
+}
+
+// Quantiles are latency percentiles in milliseconds of model time.
+type Quantiles struct {
+	P50 float64 `json:"p50_ms"`
+	P95 float64 `json:"p95_ms"`
+	P99 float64 `json:"p99_ms"`
+}
+
+// Result is one policy's measurements on one scenario.
+type Result struct {
+	Policy   string `json:"policy"`
+	Scenario string `json:"scenario"`
+	Mode     string `json:"mode"`
+	// Requests counts requests sent; Errors those that did not complete.
+	Requests int `json:"requests"`
+	Errors   int `json:"errors"`
+	// HitRatio is cached over prompt tokens, from the engines' usage.
+	HitRatio     float64 `json:"hit_ratio"`
+	PromptTokens int64   `json:"prompt_tokens"`
+	CachedTokens int64   `json:"cached_tokens"`
+	OutputTokens int64   `json:"completion_tokens"`
+	// TTFT and E2E are in model time (live runs: measured × time scale).
+	TTFT Quantiles `json:"ttft"`
+	E2E  Quantiles `json:"e2e"`
+	// ReqPerSec and TokPerSec are completed requests and completion tokens
+	// per second of model time, from the first send to the last response.
+	ReqPerSec float64 `json:"req_per_sec"`
+	TokPerSec float64 `json:"tok_per_sec"`
+	// Imbalance is the most requests served by one engine over the mean
+	// per engine (every engine of the cluster counts, also idle ones).
+	Imbalance float64 `json:"load_imbalance"`
+	PerEngine []int   `json:"requests_per_engine"`
+	// Decision is the scheduler's own time per request (Pick plus Report,
+	// wall clock, in microseconds); sim mode only.
+	Decision *Micros `json:"decision_us,omitempty"`
+	// Wall is how long the run took in real time.
+	Wall time.Duration `json:"wall_ns"`
+}
+
+// summarize turns records into a Result.
+func summarize(policy, scenario, mode string, recs []record, engines int) Result {
+	r := Result{Policy: policy, Scenario: scenario, Mode: mode, Requests: len(recs), PerEngine: make([]int, engines)}
+	var ttft, e2e []time.Duration
+	var first, last time.Duration = -1, 0
+	for _, rc := range recs {
+		if rc.failed {
+			r.Errors++
+			continue
+		}
+		r.PromptTokens += int64(rc.prompt)
+		r.CachedTokens += int64(rc.cached)
+		r.OutputTokens += int64(rc.completion)
+		ttft = append(ttft, rc.ttft)
+		e2e = append(e2e, rc.e2e)
+		if rc.engine >= 0 && rc.engine < engines {
+			r.PerEngine[rc.engine]++
+		}
+		if first < 0 || rc.first < first {
+			first = rc.first
+		}
+		last = max(last, rc.done)
+	}
+	if r.PromptTokens > 0 {
+		r.HitRatio = float64(r.CachedTokens) / float64(r.PromptTokens)
+	}
+	r.TTFT = quantiles(ttft)
+	r.E2E = quantiles(e2e)
+	if span := (last - first).Seconds(); span > 0 {
+		r.ReqPerSec = float64(len(ttft)) / span
+		r.TokPerSec = float64(r.OutputTokens) / span
+	}
+	r.Imbalance = imbalance(r.PerEngine)
+	return r
+}
+
+// imbalance is max over mean of counts.
+func imbalance(counts []int) float64 {
+	sum, mx := 0, 0
+	for _, n := range counts {
+		sum += n
+		mx = max(mx, n)
+	}
+	if sum == 0 {
+		return 0
+	}
+	return float64(mx) / (float64(sum) / float64(len(counts)))
+}
+
+// quantiles returns p50, p95 and p99 in milliseconds (nearest rank).
+func quantiles(d []time.Duration) Quantiles {
+	if len(d) == 0 {
+		return Quantiles{}
+	}
+	slices.Sort(d)
+	q := func(p float64) float64 {
+		i := int(p*float64(len(d))+0.999999) - 1
+		i = max(0, min(len(d)-1, i))
+		return float64(d[i]) / 1e6
+	}
+	return Quantiles{P50: q(0.50), P95: q(0.95), P99: q(0.99)}
+}
+
+// Micros are percentiles in microseconds of wall time.
+type Micros struct {
+	P50 float64 `json:"p50_us"`
+	P99 float64 `json:"p99_us"`
+}
+
+// Report is a whole benchmark: the workload's oracle and one Result per
+// policy.
+type Report struct {
+	Mode     string `json:"mode"`
+	Scenario string `json:"scenario"`
+	Workload string `json:"workload"`
+	Engines  int    `json:"engines"`
+	Sessions int    `json:"sessions"`
+	// Turns is the number of requests the workload holds (runs may stop
+	// earlier at --requests or --duration).
+	Turns int    `json:"workload_requests"`
+	Seed  uint64 `json:"seed"`
+	// TimeScale is the engines' speed-up in live mode.
+	TimeScale float64 `json:"time_scale,omitempty"`
+	// Oracle is the workload's best possible hit ratio: one infinite cache
+	// that has seen every earlier request (each session always on an engine
+	// that holds its history and the shared prefixes).
+	Oracle  float64  `json:"oracle_hit_ratio"`
+	Results []Result `json:"results"`
+}
+
+// StickyShare returns sticky's hit ratio over the oracle's, and false when
+// sticky was not run.
+func (rp *Report) StickyShare() (float64, bool) {
+	for _, r := range rp.Results {
+		if r.Policy == "sticky" && rp.Oracle > 0 {
+			return r.HitRatio / rp.Oracle, true
+		}
+	}
+	return 0, false
+}
+
+// WriteJSON writes the report as indented JSON.
+func (rp *Report) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(rp)
+}
+
+// WriteTable writes the report as an aligned text table.
+func (rp *Report) WriteTable(w io.Writer) error {
+	var b strings.Builder
+	fmt.Fprintf(&b, "mode %s, scenario %s, workload %s: %d engines, %d sessions, %d requests, seed %d",
+		rp.Mode, rp.Scenario, rp.Workload, rp.Engines, rp.Sessions, rp.Turns, rp.Seed)
+	if rp.TimeScale > 0 {
+		fmt.Fprintf(&b, ", time scale %g", rp.TimeScale)
+	}
+	b.WriteString("\nlatencies in ms of model time")
+	if rp.Mode == "live" {
+		b.WriteString(" (measured × time scale)")
+	}
+	b.WriteString("; throughput per second of model time\n\n")
+	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', tabwriter.AlignRight)
+	hdr := "policy\thit\tttft p50\tp95\tp99\te2e p50\tp99\treq/s\ttok/s\timbalance\terrors\t"
+	hasDecision := false
+	for _, r := range rp.Results {
+		hasDecision = hasDecision || r.Decision != nil
+	}
+	if hasDecision {
+		hdr += "pick+report p50\tp99\t"
+	}
+	fmt.Fprintln(tw, hdr)
+	for _, r := range rp.Results {
+		fmt.Fprintf(tw, "%s\t%.1f%%\t%.0f\t%.0f\t%.0f\t%.0f\t%.0f\t%.2f\t%.0f\t%.2f\t%d/%d\t",
+			r.Policy, 100*r.HitRatio, r.TTFT.P50, r.TTFT.P95, r.TTFT.P99, r.E2E.P50, r.E2E.P99,
+			r.ReqPerSec, r.TokPerSec, r.Imbalance, r.Errors, r.Requests)
+		if r.Decision != nil {
+			fmt.Fprintf(tw, "%.2fµs\t%.2fµs\t", r.Decision.P50, r.Decision.P99)
+		}
+		fmt.Fprintln(tw)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(&b, "\noracle hit ratio (one infinite cache that has seen every earlier request): %.1f%%\n", 100*rp.Oracle)
+	if share, ok := rp.StickyShare(); ok {
+		fmt.Fprintf(&b, "sticky reaches %.1f%% of the oracle\n", 100*share)
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
