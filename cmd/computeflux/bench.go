@@ -2,10 +2,125 @@ package main
 
 import (
 	"context"
-	"errors"
+	"encoding/json"
+	"flag"
+	"fmt"
 	"io"
+	"strings"
+
+	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/cmd/computeflux/internal/bench"
+	"github.com/computeflux/computeflux/scheduler"
 )
 
+// runBench compares routing policies on one workload and prints the table
+// (or JSON) for each scenario asked for.
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	return errors.New("bench: not built yet")
+	cfg, scenarios, asJSON, err := benchConfig(args, stderr)
+	if err != nil {
+		return err
+	}
+	var reports []*bench.Report
+	for _, sc := range scenarios {
+		c := cfg
+		c.Scenario = sc
+		rp, err := bench.Run(ctx, c)
+		if err != nil {
+			return err
+		}
+		reports = append(reports, rp)
+		if !asJSON {
+			if len(reports) > 1 {
+				fmt.Fprintln(stdout)
+			}
+			if err := rp.WriteTable(stdout); err != nil {
+				return err
+			}
+		}
+	}
+	if asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(reports)
+	}
+	return nil
+}
+
+// benchConfig turns the command line into a bench.Config and the list of
+// scenarios to run.
+func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenario, bool, error) {
+	var cfg bench.Config
+	var policies, scenarios string
+	var asJSON, quiet bool
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "Usage: computeflux bench [flags]")
+		fmt.Fprintln(stderr, "\nRuns one workload through each routing policy, each on a fresh cluster with the same seed,")
+		fmt.Fprintln(stderr, "and prints cache hit ratio, TTFT, end-to-end latency, throughput, load imbalance and errors.")
+		fmt.Fprintln(stderr, "live: real relay, agents and sim engines over QUIC on loopback; sim: discrete-event simulation.")
+		fmt.Fprintln(stderr, "\nFlags:")
+		fs.PrintDefaults()
+	}
+	fs.StringVar(&cfg.Mode, "mode", bench.ModeLive, "`live` (relay, agents, engines on loopback) or sim (discrete-event simulation)")
+	fs.StringVar(&policies, "policies", "all", "comma-separated `policies`: sticky, round-robin, random, least-loaded, consistent-hash, or all")
+	fs.StringVar(&scenarios, "scenario", "steady", "comma-separated `scenarios`: steady, degraded, failure, join, skew, or all")
+	fs.IntVar(&cfg.Engines, "engines", 4, "number of engines, each with its agent")
+	fs.IntVar(&cfg.Chat.Sessions, "sessions", 0, "chat sessions (default 30 per engine)")
+	fs.DurationVar(&cfg.Duration, "duration", 0, "send no new turn after this much model time (0: the whole workload)")
+	fs.IntVar(&cfg.MaxRequests, "requests", 0, "send at most this many requests (0: the whole workload)")
+	fs.Uint64Var(&cfg.Seed, "seed", 1, "seed of the workload and of every random choice")
+	fs.StringVar(&cfg.TracePath, "trace", "", "replay this Mooncake trace `file` instead of synthetic chat")
+	fs.IntVar(&cfg.TraceLimit, "trace-limit", 0, "replay only the trace's first N requests (0: all)")
+	fs.Float64Var(&cfg.Trace.Speed, "trace-speed", 1, "replay the trace's arrivals this many times faster")
+	fs.IntVar(&cfg.Trace.MaxOutput, "trace-max-output", 0, "cap the trace's answer lengths (0: none)")
+	fs.Float64Var(&cfg.TimeScale, "time-scale", 10, "live: run the engines this many times faster than real time")
+	fs.BoolVar(&cfg.Parallel, "parallel", false, "live: run the policies at the same time, each on its own cluster (fairer on a busy machine)")
+	fs.DurationVar(&cfg.Timeout, "timeout", 0, "live: bound on one policy's run in real time (default 5m)")
+	fs.BoolVar(&asJSON, "json", false, "print JSON instead of tables")
+	fs.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
+	// Workload knobs.
+	fs.Float64Var(&cfg.SessionRate, "session-rate", 0.5, "new chat sessions per second (model time) per engine")
+	fs.IntVar(&cfg.Chat.SystemTokens, "system-tokens", 2000, "length of the system prompt all sessions share")
+	fs.Float64Var(&cfg.Chat.MeanTurns, "turns", 5, "mean turns per session (geometric)")
+	fs.IntVar(&cfg.Chat.MaxTurns, "max-turns", 16, "most turns of a session")
+	fs.IntVar(&cfg.Chat.QuestionTokens, "question-tokens", 120, "median user message length (log-normal)")
+	fs.IntVar(&cfg.Chat.AnswerTokens, "answer-tokens", 250, "median answer length (log-normal)")
+	fs.DurationVar(&cfg.Chat.Think, "think", 0, "median pause between a response and the next turn (default 12s)")
+	fs.Float64Var(&cfg.Chat.HeavyShare, "heavy-share", 0, "share of heavy sessions (default 0, or 0.05 in the skew scenario)")
+	// Cluster knobs.
+	fs.IntVar(&cfg.Engine.CacheBlocks, "cache-blocks", simengine.DefaultCacheBlocks, "each engine's prefix cache in 16-token blocks")
+	fs.Float64Var(&cfg.Engine.PrefillTokensPerSec, "prefill-tokens-per-sec", simengine.DefaultPrefillTokensPerSec, "each engine's prompt throughput")
+	fs.IntVar(&cfg.Engine.MaxRunning, "max-running", simengine.DefaultMaxRunning, "sequences each engine batches")
+	fs.IntVar(&cfg.Capacity, "capacity", 0, "concurrency each agent announces to the scheduler (0: unlimited)")
+	if err := fs.Parse(args); err != nil {
+		return cfg, nil, false, err
+	}
+	if fs.NArg() > 0 {
+		return cfg, nil, false, fmt.Errorf("bench: unexpected arguments %q", fs.Args())
+	}
+	if policies != "all" && policies != "" {
+		for _, s := range strings.Split(policies, ",") {
+			p, err := scheduler.ParsePolicy(s)
+			if err != nil {
+				return cfg, nil, false, fmt.Errorf("bench: --policies: %w", err)
+			}
+			cfg.Policies = append(cfg.Policies, p)
+		}
+	}
+	var scs []bench.Scenario
+	if scenarios == "all" {
+		scenarios = "steady,degraded,failure,join,skew"
+	}
+	for _, s := range strings.Split(scenarios, ",") {
+		sc, err := bench.ParseScenario(s)
+		if err != nil {
+			return cfg, nil, false, fmt.Errorf("bench: --scenario: %w", err)
+		}
+		scs = append(scs, sc)
+	}
+	if !quiet {
+		cfg.Progress = stderr
+	}
+	return cfg, scs, asJSON, nil
 }

@@ -1,0 +1,96 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"io"
+	"net/http"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+)
+
+// curlRE takes the printed curl line apart: URL, the three headers, body.
+var curlRE = regexp.MustCompile(`^curl -sN (\S+) -H "Authorization: Bearer (\S+)" -H "Content-Type: application/json" -H "X-Session-ID: (\S+)" -d '(.+)'$`)
+
+// The demo prints a relay URL, a key and a curl line that work, prints the
+// comparison table and stops when asked.
+func TestDemo(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts clusters over QUIC")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pr, pw := io.Pipe()
+	done := make(chan error, 1)
+	go func() {
+		err := runDemo(ctx, []string{"--engines", "2", "--sessions", "6", "--duration", "10m"}, pw, io.Discard)
+		pw.CloseWithError(io.EOF)
+		done <- err
+	}()
+	sc := bufio.NewScanner(pr)
+	var relayURL, key string
+	tried, table := false, false
+	deadline := time.AfterFunc(3*time.Minute, cancel)
+	defer deadline.Stop()
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		t.Log(line)
+		if u, ok := strings.CutPrefix(line, "Relay URL:"); ok {
+			relayURL = strings.TrimSpace(u)
+		}
+		if k, ok := strings.CutPrefix(line, "Client key:"); ok {
+			key = strings.TrimSpace(k)
+		}
+		if m := curlRE.FindStringSubmatch(line); m != nil {
+			if !strings.HasPrefix(m[1], strings.TrimSuffix(relayURL, "/v1")) || m[2] != key {
+				t.Fatalf("curl line %q does not match URL %q and key %q", line, relayURL, key)
+			}
+			curl(t, m[1], m[2], m[3], m[4])
+			tried = true
+		}
+		if strings.HasPrefix(line, "round-robin") {
+			table = true
+		}
+		if strings.HasPrefix(line, "Serving at") {
+			cancel()
+		}
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if !tried || !table {
+		t.Fatalf("the demo printed no usable curl line (%v) or no comparison table (%v)", tried, table)
+	}
+}
+
+// curl does what the printed curl line does, twice, and checks the
+// streamed answers and that the second turn is an affinity hit.
+func curl(t *testing.T, url, key, session, body string) {
+	t.Helper()
+	for turn := 1; turn <= 2; turn++ {
+		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Authorization", "Bearer "+key)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("X-Session-ID", session)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"cached_tokens"`) || !strings.HasSuffix(strings.TrimSpace(string(b)), "data: [DONE]") {
+			t.Fatalf("turn %d: status %d, body %q", turn, resp.StatusCode, b)
+		}
+		if aff := resp.Header.Get("X-ComputeFlux-Affinity"); turn == 2 && aff != "hit" {
+			t.Fatalf("second turn affinity %q, want hit", aff)
+		}
+	}
+}
