@@ -3,6 +3,7 @@ package relay
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -188,6 +189,23 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 		return r.failed(ctx, req, report, start, resp.StatusCode, rerr)
 	}
 	ttfb := r.cfg.Clock.Now().Sub(start)
+	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
+	first := buf[:n]
+	if !sse && resp.StatusCode/100 == 2 {
+		// A successful non-streamed answer must be JSON before the client
+		// sees it; a broken one can still be retried elsewhere.
+		first, rerr = readChecked(resp.Body, first, rerr, r.cfg.IdleTimeout, cancel)
+		if rerr != nil && rerr != io.EOF {
+			if cause := context.Cause(ctx); errors.Is(cause, ErrIdleTimeout) {
+				rerr = cause
+			}
+			return r.failed(ctx, req, report, start, resp.StatusCode, rerr)
+		}
+		if rerr == io.EOF && !json.Valid(first) {
+			report(scheduler.Outcome{Status: resp.StatusCode, Err: ErrBadUpstream, Latency: ttfb})
+			return attemptResult{err: fmt.Errorf("%s: %w", c.EndpointID, ErrBadUpstream)}
+		}
+	}
 	rl.ttfb, rl.status = ttfb, resp.StatusCode
 
 	// Commit: headers, status and the first chunk go to the client.
@@ -201,7 +219,6 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	// spelling (X-ComputeFlux-...); header names are case-insensitive.
 	h[HeaderAgent] = []string{c.EndpointID}
 	h[HeaderAffinity] = []string{c.Affinity.String()}
-	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 	if sse {
 		h.Set("X-Accel-Buffering", "no") // tell reverse proxies in front not to buffer
 	}
@@ -210,15 +227,18 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	w.WriteHeader(resp.StatusCode)
 
 	cp := streamCopier{w: w, rc: rc, flush: flush, idle: r.cfg.IdleTimeout, clock: r.cfg.Clock}
+	if sse {
+		cp.frame = &sseFramer{}
+	}
 	defer cp.clearDeadline()
-	werr := cp.write(buf[:n])
-	if werr == nil && rerr == nil {
+	werr, ferr := cp.writeUpstream(first)
+	if werr == nil && ferr == nil && rerr == nil {
 		idleTimer := time.AfterFunc(r.cfg.IdleTimeout, func() { cancel(ErrIdleTimeout) })
 		for {
 			n, rerr = resp.Body.Read(buf)
 			idleTimer.Reset(r.cfg.IdleTimeout)
 			if n > 0 {
-				if werr = cp.write(buf[:n]); werr != nil {
+				if werr, ferr = cp.writeUpstream(buf[:n]); werr != nil || ferr != nil {
 					break
 				}
 			}
@@ -227,6 +247,13 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 			}
 		}
 		idleTimer.Stop()
+	}
+	if werr == nil && ferr == nil && rerr == io.EOF {
+		werr, ferr = cp.endUpstream()
+	}
+	if ferr != nil && werr == nil {
+		cancel(ErrBadUpstream)
+		rerr = ErrBadUpstream
 	}
 	outcome := scheduler.Outcome{Status: resp.StatusCode, Latency: ttfb}
 	switch {
@@ -251,8 +278,11 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 		return attemptResult{committed: true, err: fmt.Errorf("%w: %w", errAbort, cause)}
 	}
 	msg, code := "The agent's response broke off", "upstream_failed"
-	if errors.Is(cause, ErrIdleTimeout) {
+	switch {
+	case errors.Is(cause, ErrIdleTimeout):
 		msg, code = "The agent's response stalled", "upstream_timeout"
+	case errors.Is(cause, ErrBadUpstream):
+		msg, code = "The agent sent a malformed event", "upstream_invalid"
 	}
 	_ = cp.writeEvent(streamErrorEvent(msg, code))
 	return attemptResult{committed: true, err: cause}
@@ -295,7 +325,9 @@ type streamCopier struct {
 	clock   scheduler.Clock
 	last    [2]byte // the last two bytes written, to find event boundaries
 	written int64
-	dl      bool // a write deadline is set
+	dl      bool       // a write deadline is set
+	frame   *sseFramer // nil: bytes pass as they are
+	out     []byte     // framed events to write, reused
 }
 
 func (s *streamCopier) write(p []byte) error {

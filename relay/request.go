@@ -21,11 +21,13 @@ type routingFields struct {
 	Model          json.RawMessage `json:"model"`
 	Stream         json.RawMessage `json:"stream"`
 	PromptCacheKey json.RawMessage `json:"prompt_cache_key"`
+	Messages       json.RawMessage `json:"messages"`
 }
 
 // parseRouting reads the routing fields of an OpenAI request body. It fails
 // with a 400 *Error on malformed JSON, a body that is not an object, a
-// missing, empty or non-string model, or a non-boolean stream.
+// missing, empty or non-string model, a non-boolean stream, or messages
+// that are not an array.
 func parseRouting(body []byte) (routing, error) {
 	var f routingFields
 	trimmed := bytes.TrimLeft(body, " \t\r\n")
@@ -51,6 +53,10 @@ func parseRouting(body []byte) (routing, error) {
 		rt.stream = true
 	default:
 		return routing{}, errBadRequest("invalid_stream", "'stream' must be a boolean", nil)
+	}
+	if len(f.Messages) > 0 && f.Messages[0] != '[' && string(f.Messages) != "null" {
+		// Caught here, it costs no agent a round trip.
+		return routing{}, errBadRequest("invalid_messages", "'messages' must be an array", nil)
 	}
 	if len(f.PromptCacheKey) > 0 && f.PromptCacheKey[0] == '"' {
 		// A malformed key only loses affinity; it is the engine's business
