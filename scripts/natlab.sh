@@ -5,6 +5,17 @@
 #   scripts/natlab.sh                 # every scenario, 20 runs per NAT pairing
 #   NATLAB_RUNS=5 scripts/natlab.sh   # fewer runs
 #   NATLAB_RUN='holepunch-eim-eim' scripts/natlab.sh   # scenarios matching a regexp
+#   NATLAB_RUN='partition' scripts/natlab.sh
+#
+# Scenarios:
+#   holepunch-A-B       libp2p hosts of the test binary: DCUtR between NAT kinds
+#                       A and B (eim, symmetric), NATLAB_RUNS fresh labs each
+#   gossip-path-A-B     the computeflux binary (relay, sim-engines, agents):
+#                       which path the agents' gossip takes, NATLAB_RUNS labs
+#   completions-sticky  client -> relay -> agents in three homes (eim, eim,
+#   partition           symmetric), streamed and not, sticky sessions; cut and
+#   relay-restart       heal a home's WAN link; restart the relay (SIGTERM)
+#   relay-crash         and again after SIGKILL
 #
 # Needs: go, ip (iproute2), nft (nftables). Addresses come only from
 # 198.18.0.0/15, inside namespaces this script creates; nothing touches the
@@ -17,10 +28,10 @@
 # carrying this run's prefix is deleted.
 #
 # Scenarios are Go tests run from a compiled test binary; each prints a line
-# "SCENARIO <name> PASS|FAIL key=value ...". Later scenarios (completions
-# through the relay, partition and heal, relay restart) drive the computeflux
-# binary built below inside the lab's namespaces: its path is passed to the
-# tests in CF_NATLAB_BIN.
+# "SCENARIO <name> PASS|FAIL key=value ...". The binary scenarios drive the
+# computeflux binary built below inside the lab's namespaces: its path is
+# passed to the tests in CF_NATLAB_BIN. NATLAB_KEEP_LOGS=1 keeps every
+# process's log (the directories are named in the log).
 set -euo pipefail
 
 runs=${NATLAB_RUNS:-20}
@@ -97,7 +108,9 @@ fi
 
 set +e
 CF_NATLAB_RUNS=$runs CF_NATLAB_PREFIX=$prefix CF_NATLAB_BIN="$work/computeflux" \
-	setsid "$work/scenario.test" -test.run "TestHolePunch/$filter" -test.v -test.timeout 30m \
+	CF_NATLAB_KEEP_LOGS=${NATLAB_KEEP_LOGS:-} \
+	setsid "$work/scenario.test" -test.run "^(TestHolePunch|TestGossipPath|TestCluster)\$/$filter" \
+	-test.v -test.timeout 60m \
 	>"$work/out" 2>>"$log" &
 testpid=$!
 wait "$testpid"

@@ -20,11 +20,14 @@ const netnsDir = "/run/netns"
 // talks to the relay from the client namespace without a helper process.
 //
 // A socket belongs to the network namespace of the thread that created it,
-// for its whole life. Each dial therefore runs on a fresh goroutine locked to
-// its OS thread, which enters ns, creates and connects the socket, and exits
-// still locked, so that the runtime ends the thread instead of reusing it in
-// the wrong namespace. Addresses must be IP literals: a name lookup could
-// run on another thread.
+// for its whole life. Each dial therefore runs on a goroutine locked to its
+// OS thread, which enters ns, creates and connects the socket, and returns to
+// the thread's own namespace before unlocking. The thread must not simply
+// exit instead: processes started by Lab.Start get SIGKILL when the thread
+// that forked them ends (Pdeathsig is per thread), and that thread may be
+// this one. Only if the way back fails is the thread left locked, so that
+// the runtime ends it rather than reuse it in the wrong namespace. Addresses
+// must be IP literals: a name lookup could run on another thread.
 func (l *Lab) DialContext(ns string) func(ctx context.Context, network, addr string) (net.Conn, error) {
 	path := filepath.Join(netnsDir, ns)
 	return func(ctx context.Context, network, addr string) (net.Conn, error) {
@@ -35,25 +38,39 @@ func (l *Lab) DialContext(ns string) func(ctx context.Context, network, addr str
 		ch := make(chan result, 1)
 		go func() {
 			runtime.LockOSThread()
-			// No UnlockOSThread: the thread must die with this goroutine.
-			fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
-			if err != nil {
-				ch <- result{err: fmt.Errorf("netlab: open %s: %w", path, err)}
-				return
+			c, back, err := dialInNS(ctx, path, network, addr)
+			if back {
+				runtime.UnlockOSThread()
 			}
-			err = unix.Setns(fd, unix.CLONE_NEWNET)
-			_ = unix.Close(fd)
-			if err != nil {
-				ch <- result{err: fmt.Errorf("netlab: enter %s: %w", ns, err)}
-				return
-			}
-			var d net.Dialer
-			c, err := d.DialContext(ctx, network, addr)
 			ch <- result{c, err}
 		}()
 		r := <-ch
 		return r.c, r.err
 	}
+}
+
+// dialInNS dials from namespace path on the current (locked) thread and
+// reports whether the thread is back in its own namespace.
+func dialInNS(ctx context.Context, path, network, addr string) (c net.Conn, back bool, err error) {
+	self, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, true, fmt.Errorf("netlab: own namespace: %w", err)
+	}
+	defer unix.Close(self)
+	target, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, true, fmt.Errorf("netlab: open %s: %w", path, err)
+	}
+	defer unix.Close(target)
+	if err := unix.Setns(target, unix.CLONE_NEWNET); err != nil {
+		return nil, true, fmt.Errorf("netlab: enter %s: %w", path, err)
+	}
+	var d net.Dialer
+	c, err = d.DialContext(ctx, network, addr)
+	if e := unix.Setns(self, unix.CLONE_NEWNET); e != nil {
+		return c, false, err
+	}
+	return c, true, err
 }
 
 // HTTPClient returns an HTTP client whose connections start in namespace ns

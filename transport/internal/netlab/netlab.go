@@ -21,6 +21,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -252,11 +253,11 @@ func (l *Lab) build(homes []NATKind) error {
 		h := &Home{
 			Node:   Node{NS: fmt.Sprintf("%s-h%d", l.Prefix, i), IP: fmt.Sprintf("198.19.%d.2", i)},
 			Router: fmt.Sprintf("%s-r%d", l.Prefix, i),
-			WANIP:  fmt.Sprintf("198.18.0.%d", 100+i),
+			WANIP:  homeWANIP(i),
 			Kind:   kind,
 			index:  i,
 		}
-		if err := l.buildHome(h); err != nil {
+		if err := l.buildHome(h, len(homes)); err != nil {
 			return err
 		}
 		l.Homes = append(l.Homes, h)
@@ -286,10 +287,27 @@ func (l *Lab) plug(port, ns, dev, addr string) error {
 // without it, a peer's punch packet that arrives before our own outgoing one
 // is recorded by conntrack as a flow to the router itself, and our packet is
 // then remapped to another port.
-func natRules(kind NATKind) string {
+//
+// The forward chain also counts the packets the router forwards to and from
+// the relay and every other home's WAN address (see Lab.Counters): traffic
+// between two homes' WAN addresses is the direct (hole-punched) path, since
+// relayed traffic goes to the relay's address.
+func natRules(kind NATKind, self, homes int) string {
 	masq := "masquerade"
 	if kind == Symmetric {
 		masq = "masquerade fully-random"
+	}
+	var decl, count strings.Builder
+	peers := []struct{ name, ip string }{{"relay", RelayIP}}
+	for j := 0; j < homes; j++ {
+		if j != self {
+			peers = append(peers, struct{ name, ip string }{fmt.Sprintf("h%d", j), homeWANIP(j)})
+		}
+	}
+	for _, p := range peers {
+		fmt.Fprintf(&decl, "\tcounter to_%s { }\n\tcounter from_%s { }\n", p.name, p.name)
+		fmt.Fprintf(&count, "\t\toifname \"wan\" ip daddr %s counter name \"to_%s\"\n", p.ip, p.name)
+		fmt.Fprintf(&count, "\t\tiifname \"wan\" ip saddr %s counter name \"from_%s\"\n", p.ip, p.name)
 	}
 	return `table ip nat {
 	chain postrouting {
@@ -298,21 +316,64 @@ func natRules(kind NATKind) string {
 	}
 }
 table ip filter {
-	chain input {
+` + decl.String() + `	chain input {
 		type filter hook input priority filter; policy accept;
 		iifname "wan" ct state established,related accept
 		iifname "wan" drop
 	}
 	chain forward {
 		type filter hook forward priority filter; policy accept;
-		iifname "wan" ct state established,related accept
+` + count.String() + `		iifname "wan" ct state established,related accept
 		iifname "wan" drop
 	}
 }
 `
 }
 
-func (l *Lab) buildHome(h *Home) error {
+// homeWANIP is home i's router address on the public segment.
+func homeWANIP(i int) string { return fmt.Sprintf("198.18.0.%d", 100+i) }
+
+// Counter is a packet and byte count.
+type Counter struct {
+	Packets uint64 `json:"packets"`
+	Bytes   uint64 `json:"bytes"`
+}
+
+// Counters returns what home i's router has forwarded so far, by direction
+// and peer: "to_relay", "from_relay", and "to_hJ", "from_hJ" for every other
+// home J. Packets to and from another home's WAN address take the direct
+// path. "from_" counts packets forwarded into the home, i.e. those that
+// matched one of its NAT mappings (answers, or a punched path); unsolicited
+// packets end at the router and are not counted.
+func (l *Lab) Counters(i int) (map[string]Counter, error) {
+	if i < 0 || i >= len(l.Homes) {
+		return nil, fmt.Errorf("netlab: no home %d", i)
+	}
+	out, err := l.Exec(context.Background(), l.Homes[i].Router, nil, "nft", "-j", "list", "counters", "table", "ip", "filter")
+	if err != nil {
+		return nil, err
+	}
+	var doc struct {
+		Nftables []struct {
+			Counter *struct {
+				Name string `json:"name"`
+				Counter
+			} `json:"counter"`
+		} `json:"nftables"`
+	}
+	if err := json.Unmarshal(out, &doc); err != nil {
+		return nil, fmt.Errorf("netlab: nft counters of home %d: %w", i, err)
+	}
+	m := make(map[string]Counter)
+	for _, o := range doc.Nftables {
+		if o.Counter != nil {
+			m[o.Counter.Name] = o.Counter.Counter
+		}
+	}
+	return m, nil
+}
+
+func (l *Lab) buildHome(h *Home, homes int) error {
 	if err := l.addNS(h.Router); err != nil {
 		return err
 	}
@@ -339,7 +400,7 @@ func (l *Lab) buildHome(h *Home) error {
 	if _, err := l.Exec(context.Background(), h.Router, nil, "sysctl", "-qw", "net.ipv4.ip_forward=1"); err != nil {
 		return err
 	}
-	if _, err := l.Exec(context.Background(), h.Router, strings.NewReader(natRules(h.Kind)), "nft", "-f", "-"); err != nil {
+	if _, err := l.Exec(context.Background(), h.Router, strings.NewReader(natRules(h.Kind, h.index, homes)), "nft", "-f", "-"); err != nil {
 		return err
 	}
 	return nil
@@ -456,6 +517,16 @@ func (p *Proc) Stop(grace time.Duration) {
 		_ = syscall.Kill(-p.PID, syscall.SIGKILL)
 		<-p.done
 	}
+	p.lab.mu.Lock()
+	delete(p.lab.procs, p.PID)
+	p.lab.mu.Unlock()
+}
+
+// Kill kills the process (SIGKILL to its group, no chance to clean up, as
+// in a crash) and waits for it.
+func (p *Proc) Kill() {
+	_ = syscall.Kill(-p.PID, syscall.SIGKILL)
+	<-p.done
 	p.lab.mu.Lock()
 	delete(p.lab.procs, p.PID)
 	p.lab.mu.Unlock()

@@ -3,7 +3,9 @@ package netlab
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"strings"
@@ -81,6 +83,17 @@ func helper(role, arg string) int {
 			fmt.Println(got)
 		}
 		return 0
+	case "httpok":
+		ln, err := net.Listen("tcp", arg)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		fmt.Println("READY")
+		_ = http.Serve(ln, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			fmt.Fprint(w, r.RemoteAddr)
+		}))
+		return 1
 	case "buildlab":
 		l, err := New(Config{Prefix: arg, Homes: []NATKind{EndpointIndependent}})
 		if err != nil {
@@ -176,6 +189,37 @@ func TestTopologyNAT(t *testing.T) {
 		// The LAN side still reaches the router: only the WAN is closed.
 		if got := probe(t, l, l.Homes[0].NS, 40002, "198.19.0.1:7100"); len(got) != 1 || got[0] == "TIMEOUT" {
 			t.Errorf("router unreachable from its LAN: %v", got)
+		}
+	})
+	t.Run("routers count packets by peer", func(t *testing.T) {
+		// Home 0 already talked to the relay; now it sends to home 1's WAN
+		// address, where the router drops the unsolicited datagram.
+		if got := probe(t, l, l.Homes[0].NS, 40005, l.Homes[1].WANIP+":7200"); len(got) != 1 || got[0] != "TIMEOUT" {
+			t.Errorf("unsolicited datagram to home 1 was answered: %v", got)
+		}
+		c0, err := l.Counters(0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c1, err := l.Counters(1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c0["to_relay"].Packets < 2 || c0["from_relay"].Packets < 2 {
+			t.Errorf("home 0 relay counters %+v %+v, want the probes and their answers", c0["to_relay"], c0["from_relay"])
+		}
+		if c0["to_h1"].Packets == 0 {
+			t.Errorf("home 0 -> home 1 not counted: %+v", c0["to_h1"])
+		}
+		// Unsolicited: dropped on input, never forwarded into home 1.
+		if c1["from_h0"].Packets != 0 {
+			t.Errorf("home 1 forwarded %d unsolicited packets from home 0", c1["from_h0"].Packets)
+		}
+		if c1["to_h0"].Packets != 0 {
+			t.Errorf("home 1 sent %d packets to home 0", c1["to_h0"].Packets)
+		}
+		if _, err := l.Counters(2); err == nil {
+			t.Error("counters of a home that does not exist")
 		}
 	})
 	t.Run("cut and heal", func(t *testing.T) {
@@ -285,5 +329,57 @@ func TestPrefixValidated(t *testing.T) {
 func TestNATKindString(t *testing.T) {
 	if EndpointIndependent.String() != "eim" || Symmetric.String() != "symmetric" {
 		t.Fatal(EndpointIndependent.String(), Symmetric.String())
+	}
+}
+
+// TestHTTPClientInNamespace talks HTTP from the client namespace to a server
+// in the relay namespace, from this process, many times, and checks that
+// processes the lab started survive it (their parent thread must live on)
+// and that this process stays in its own namespace.
+func TestHTTPClientInNamespace(t *testing.T) {
+	l := NewT(t, Config{})
+	srv, err := l.Start(l.Relay.NS, []string{helperEnv + "=httpok"}, os.Stderr, self(t), RelayIP+":8080")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if line, err := srv.Stdout.ReadString('\n'); err != nil || strings.TrimSpace(line) != "READY" {
+		t.Fatalf("server: %q %v", line, err)
+	}
+	c := l.HTTPClient(l.Client.NS)
+	defer c.CloseIdleConnections()
+	c.Transport.(*http.Transport).DisableKeepAlives = true // a dial per request
+	for i := 0; i < 50; i++ {
+		resp, err := c.Get("http://" + RelayIP + ":8080/")
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		b, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil || !strings.HasPrefix(string(b), ClientIP+":") {
+			t.Fatalf("request %d: server saw %q (%v), want the client's address", i, b, err)
+		}
+	}
+	select {
+	case <-srv.Done():
+		t.Fatalf("server in the relay namespace died: %v", srv.Err())
+	default:
+	}
+	// No thread of this process was left in a lab namespace.
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	own, err := os.Readlink("/proc/self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tasks, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, task := range tasks {
+		ns, err := os.Readlink("/proc/self/task/" + task.Name() + "/ns/net")
+		if err == nil && ns != own {
+			t.Errorf("thread %s is in %s, the process in %s", task.Name(), ns, own)
+		}
 	}
 }

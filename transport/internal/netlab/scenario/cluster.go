@@ -94,6 +94,9 @@ type ClusterConfig struct {
 	RelayArgs, AgentArgs []string
 	// Features overrides the probe of the binary when set.
 	Features *Features
+	// Env is added to every process's environment (e.g. GOLOG_LOG_LEVEL for
+	// libp2p's own logs).
+	Env []string
 }
 
 // Cluster is a lab running the computeflux binary.
@@ -178,12 +181,25 @@ func (c *Cluster) Close() {
 }
 
 func (c *Cluster) start(ns, name string, argv ...string) (*Process, error) {
-	f, err := os.Create(filepath.Join(c.cfg.Dir, name+".log"))
+	// A restarted process gets a log of its own: relay.log, relay-2.log, ...
+	c.mu.Lock()
+	n := 0
+	for _, p := range c.procs {
+		if p.Name == name {
+			n++
+		}
+	}
+	c.mu.Unlock()
+	file := name + ".log"
+	if n > 0 {
+		file = fmt.Sprintf("%s-%d.log", name, n+1)
+	}
+	f, err := os.Create(filepath.Join(c.cfg.Dir, file))
 	if err != nil {
 		return nil, err
 	}
 	lb := newLogBook(f)
-	p, err := c.Lab.Start(ns, nil, lb, append([]string{c.cfg.Bin}, argv...)...)
+	p, err := c.Lab.Start(ns, c.cfg.Env, lb, append([]string{c.cfg.Bin}, argv...)...)
 	if err != nil {
 		_ = f.Close()
 		return nil, err
@@ -241,6 +257,11 @@ func (c *Cluster) StartRelay(ctx context.Context) error {
 // StopRelay ends the relay with SIGTERM (a clean restart).
 func (c *Cluster) StopRelay() {
 	c.Relay.Stop(10 * time.Second)
+}
+
+// KillRelay ends the relay with SIGKILL (a crash: no goodbye to anyone).
+func (c *Cluster) KillRelay() {
+	c.Relay.Kill()
 }
 
 func (c *Cluster) startEngine(ctx context.Context, i int) (*Process, error) {
@@ -324,6 +345,17 @@ func (p *Process) Stop(grace time.Duration) {
 	})
 }
 
+// Kill ends the process with SIGKILL and closes its log file.
+func (p *Process) Kill() {
+	p.once.Do(func() {
+		_ = p.proc.Stdin.Close()
+		p.proc.Kill()
+		<-p.drained
+		p.Log.close()
+		_ = p.file.Close()
+	})
+}
+
 // Line is one line a process wrote, with the time the controller read it.
 type Line struct {
 	At     time.Time
@@ -345,8 +377,8 @@ func Contains(s string) func(Line) bool {
 	return func(l Line) bool { return strings.Contains(l.Raw, s) }
 }
 
-// LogBook keeps a process's output lines, copies them to a file, and lets
-// callers wait for a line. It is an io.Writer safe for concurrent use.
+// LogBook keeps a process's output lines, copies them to a file (each line
+// prefixed with the time it was read), and lets callers wait for a line. It is an io.Writer safe for concurrent use.
 type LogBook struct {
 	mu      sync.Mutex // guards the following fields
 	w       io.Writer
@@ -365,9 +397,6 @@ func (b *LogBook) Write(p []byte) (int, error) {
 	now := time.Now()
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.w != nil {
-		_, _ = b.w.Write(p)
-	}
 	b.partial = append(b.partial, p...)
 	added := false
 	for {
@@ -377,6 +406,11 @@ func (b *LogBook) Write(p []byte) (int, error) {
 		}
 		raw := string(bytes.TrimRight(b.partial[:i], "\r"))
 		b.partial = b.partial[i+1:]
+		if b.w != nil {
+			// The processes' own timestamps have one-second resolution:
+			// the file gets the controller's, to the microsecond.
+			_, _ = fmt.Fprintf(b.w, "%s %s\n", now.Format("15:04:05.000000"), raw)
+		}
 		l := Line{At: now, Raw: raw}
 		if strings.HasPrefix(raw, "{") {
 			var f map[string]any

@@ -74,6 +74,7 @@ func newCluster(t *testing.T, homes ...netlab.NATKind) *Cluster {
 	c, err := NewCluster(ctx, ClusterConfig{
 		Bin: bin, Dir: dir, Homes: homes, Prefix: os.Getenv("CF_NATLAB_PREFIX"),
 		Logf: func(string, ...any) {},
+		Env:  strings.Fields(os.Getenv("CF_NATLAB_ENV")),
 	})
 	if err != nil {
 		t.Fatalf("cluster (logs in %s): %v", dir, err)
@@ -115,7 +116,8 @@ func TestCluster(t *testing.T) {
 	}{
 		{"completions-sticky", testCompletions},
 		{"partition", testPartition},
-		{"relay-restart", testRelayRestart},
+		{"relay-restart", func(t *testing.T, c *Cluster) { testRelayRestart(t, c, false) }},
+		{"relay-crash", func(t *testing.T, c *Cluster) { testRelayRestart(t, c, true) }},
 	}
 	for _, s := range steps {
 		if !t.Run(s.name, func(t *testing.T) { s.run(t, c) }) {
@@ -362,10 +364,11 @@ func testPartition(t *testing.T, c *Cluster) {
 		"relay_saw="+strings.Join(append(why, "-")[:max(1, len(why))], ","))
 }
 
-// testRelayRestart stops the relay cleanly, starts it again with the same
-// identity, and measures how long until every agent has joined the new relay
-// and until each serves its own model through it.
-func testRelayRestart(t *testing.T, c *Cluster) {
+// testRelayRestart stops the relay (cleanly, or with SIGKILL as in a
+// crash), starts it again with the same identity, and measures how long
+// until every agent has joined the new relay and until each serves its own
+// model through it.
+func testRelayRestart(t *testing.T, c *Cluster, crash bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
 	defer cancel()
 	marks := make([]int, len(c.Agents))
@@ -373,7 +376,13 @@ func testRelayRestart(t *testing.T, c *Cluster) {
 		marks[i] = a.Log.Len()
 	}
 	tStop := time.Now()
-	c.StopRelay()
+	name := "relay-restart"
+	if crash {
+		name = "relay-crash"
+		c.KillRelay()
+	} else {
+		c.StopRelay()
+	}
 	tDown := time.Now()
 	if err := c.StartRelay(ctx); err != nil {
 		t.Fatal(err)
@@ -396,11 +405,20 @@ func testRelayRestart(t *testing.T, c *Cluster) {
 		}
 		serve = max(serve, time.Since(tUp))
 	}
-	if serve > 30*time.Second {
+	// The bound. After a crash, agents behind endpoint-independent
+	// NATs only notice when QUIC's idle timeout (30 s) fires: their keep-alive
+	// PINGs are too small for the new relay to answer with a stateless reset.
+	// Until the agent detects a dead relay sooner, the crash figure is
+	// reported, and asserted only with CF_NATLAB_STRICT_CRASH set.
+	within := serve <= 30*time.Second
+	if !within && (!crash || os.Getenv("CF_NATLAB_STRICT_CRASH") != "") {
 		t.Errorf("agents served again %v after the relay came back, want within 30s", serve.Round(time.Millisecond))
+	} else if !within {
+		t.Logf("KNOWN: agents served again %v after a relay crash, over the 30s bound", serve.Round(time.Millisecond))
 	}
-	report(t, "relay-restart",
+	report(t, name,
 		"stop_ms="+msStr(tDown.Sub(tStop)), "start_ms="+msStr(tUp.Sub(tDown)),
 		"rejoin_ms="+msStr(rejoin), "serve_ms="+msStr(serve),
-		"total_ms="+msStr(tUp.Sub(tStop)+serve))
+		"total_ms="+msStr(tUp.Sub(tStop)+serve),
+		fmt.Sprintf("within_30s=%v", within))
 }
