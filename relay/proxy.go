@@ -221,8 +221,11 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	h[HeaderAffinity] = []string{c.Affinity.String()}
 	if sse {
 		h.Set("X-Accel-Buffering", "no") // tell reverse proxies in front not to buffer
+		// Re-framing may change the length (a malformed tail becomes an
+		// error event): the client gets the stream chunked.
+		h.Del("Content-Length")
 	}
-	flush := resp.ContentLength < 0 // streamed (chunked) bodies go out as they come
+	flush := resp.ContentLength < 0 || sse // streamed bodies go out as they come
 	rc := http.NewResponseController(w)
 	w.WriteHeader(resp.StatusCode)
 
