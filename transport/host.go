@@ -39,6 +39,12 @@ type HostConfig struct {
 	// and hole punching settings. They cannot replace the transport, the
 	// resource manager or the connection manager.
 	Options []libp2p.Option
+	// RelayLimits, when set, says that the host runs the circuit relay
+	// service with these limits (see RelayNATOptions): its resource manager
+	// then also grants the streams and memory they need
+	// (RelayResourceLimits), which Options cannot do. Nil means no relay
+	// service limits are merged.
+	RelayLimits *RelayLimits
 }
 
 // Connection manager watermarks: a relay keeps one connection per agent and
@@ -76,7 +82,7 @@ func NewHost(cfg HostConfig) (host.Host, error) {
 			return nil, err
 		}
 	}
-	rm, err := rcmgr.NewResourceManager(rcmgr.NewFixedLimiter(resourceLimits()))
+	rm, err := rcmgr.NewResourceManager(rcmgr.NewFixedLimiter(resourceLimits(cfg.RelayLimits)))
 	if err != nil {
 		return nil, fmt.Errorf("resource manager: %w", err)
 	}
@@ -128,7 +134,8 @@ func FullAddrs(h host.Host) []ma.Multiaddr {
 // raises what a relay with many agents needs: QUIC uses one UDP socket, so
 // connections cost no file descriptor, and each agent holds one connection
 // with a join stream, its in-flight inference streams and gossip streams.
-func resourceLimits() rcmgr.ConcreteLimitConfig {
+// With relay limits, the circuit relay service's entries are merged in.
+func resourceLimits(relay *RelayLimits) rcmgr.ConcreteLimitConfig {
 	scaling := rcmgr.DefaultLimits
 	libp2p.SetDefaultServiceLimits(&scaling)
 	streams := rcmgr.ResourceLimits{
@@ -174,6 +181,11 @@ func resourceLimits() rcmgr.ConcreteLimitConfig {
 			// replaces a stale one.
 			JoinProtocol: {StreamsInbound: 4, StreamsOutbound: 4, Streams: 8},
 		},
+	}
+	if relay != nil {
+		// Apply fills only the entries ours leave at their default: the
+		// relay service and the circuit protocols, which we do not set.
+		partial.Apply(RelayResourceLimits(*relay))
 	}
 	return partial.Build(scaling.AutoScale())
 }
