@@ -8,6 +8,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"os"
 	"slices"
@@ -56,6 +57,14 @@ type Config struct {
 	ListenAddrs []string
 	// HostOptions are extra libp2p options (NAT traversal).
 	HostOptions []libp2p.Option
+	// PublicCIDRs are address ranges treated as public for hole punching on
+	// top of the globally routable ones (transport.AgentNATConfig), e.g.
+	// 100.64.0.0/10 when agents reach each other over carrier-grade NAT
+	// space. Empty (the default) means none.
+	PublicCIDRs []netip.Prefix
+	// Gossip configures membership gossip; the zero value runs it with the
+	// home preset (see GossipConfig).
+	Gossip GossipConfig
 	// Logger receives the agent's logs. The zero value discards.
 	Logger zerolog.Logger
 
@@ -150,6 +159,10 @@ type Agent struct {
 	proxy    http.Handler
 
 	inflight atomic.Int64
+	nat      atomic.Pointer[transport.AgentNAT] // set by Run
+	gossip   *transport.Gossip                  // set by Run before any goroutine reads it; nil when off
+	rejoin   chan struct{}                      // asks the gossip loop to join through the relay
+	host     host.Host                          // guarded by mu; set while Run runs
 	draining atomic.Bool
 
 	mu       sync.Mutex // guards the following fields
@@ -204,6 +217,7 @@ func New(cfg Config) (*Agent, error) {
 		id:       id,
 		client:   &http.Client{Transport: cfg.UpstreamTransport},
 		changed:  make(chan struct{}, 1),
+		rejoin:   make(chan struct{}, 1),
 	}
 	a.proxy = a.newProxy()
 	return a, nil
@@ -251,16 +265,35 @@ func (a *Agent) notify() {
 // draining, waits for in-flight requests up to DrainTimeout, leaves the relay
 // and closes the host. It returns nil after a stop by ctx.
 func (a *Agent) Run(ctx context.Context) error {
+	// NAT traversal: a reservation at our relay, so that other agents reach
+	// us through its circuit, and hole punching towards them.
+	nat, err := transport.NewAgentNAT(transport.AgentNATConfig{
+		Relays:      []peer.AddrInfo{a.relay},
+		PublicCIDRs: a.cfg.PublicCIDRs,
+		Logger:      a.log,
+	})
+	if err != nil {
+		return fmt.Errorf("agent: %w", err)
+	}
+	a.nat.Store(nat)
 	h, err := transport.NewHost(transport.HostConfig{
 		ListenAddrs: a.cfg.ListenAddrs,
 		Key:         a.key,
 		Logger:      a.log,
-		Options:     a.cfg.HostOptions,
+		Options:     append(nat.Options(), a.cfg.HostOptions...),
 	})
 	if err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
 	defer h.Close()
+	a.mu.Lock()
+	a.host = h
+	a.mu.Unlock()
+	defer func() {
+		a.mu.Lock()
+		a.host = nil
+		a.mu.Unlock()
+	}()
 	h.Peerstore().AddAddrs(a.relay.ID, a.relay.Addrs, peerstore.PermanentAddrTTL)
 
 	srv, err := transport.ServeHTTP(h, a, func(p peer.ID) bool { return p == a.relay.ID })
@@ -279,8 +312,14 @@ func (a *Agent) Run(ctx context.Context) error {
 	}()
 	defer func() {
 		stopBg()
+		// Gossip stops before the wait: a gossip join in progress then
+		// returns at once instead of running into its timeout.
+		a.stopGossip()
 		wg.Wait()
 	}()
+	if err := a.startGossip(bg, h, &wg); err != nil {
+		return fmt.Errorf("agent: %w", err)
+	}
 
 	m := a.stayJoined(ctx, h)
 	a.drain(m)
@@ -295,6 +334,9 @@ func (a *Agent) stayJoined(ctx context.Context, h host.Host) *transport.Membersh
 		m, err := a.join(ctx, h)
 		if err == nil {
 			a.log.Info().Str("relay", a.relay.ID.String()).Msg("joined relay")
+			// A relay that restarted forgot the members: join its gossip
+			// after every registration.
+			a.gossipRejoin()
 			since := time.Now()
 			if m = a.serveMembership(ctx, m); m != nil {
 				return m // ctx ended while joined
@@ -370,14 +412,22 @@ func infoEqual(x, y transport.JoinInfo) bool {
 		x.Capacity == y.Capacity && x.Draining == y.Draining
 }
 
-// drain reports the agent draining, waits for in-flight requests (up to
-// DrainTimeout) and leaves the relay.
+// drain reports the agent draining (join update and gossip metadata), waits
+// for in-flight requests (up to DrainTimeout), leaves the gossip and then the
+// relay.
 func (a *Agent) drain(m *transport.Membership) {
 	a.draining.Store(true)
+	a.gossipDraining()
 	if m == nil {
+		a.gossipLeave()
 		return
 	}
-	defer m.Close()
+	defer func() {
+		// Leave the gossip first: the others see us go at once, then the
+		// relay sees the registration end.
+		a.gossipLeave()
+		m.Close()
+	}()
 	if err := m.Update(a.Info()); err != nil {
 		a.log.Warn().Err(err).Msg("could not report draining")
 	}

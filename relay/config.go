@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/netip"
 	"os"
 	"strings"
 	"time"
@@ -14,6 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
 )
 
 // Defaults for the zero values of Config.
@@ -54,6 +56,22 @@ type Config struct {
 	NoP2P bool
 	// Token is the agents' join secret. Required unless NoP2P.
 	Token []byte
+
+	// PublicCIDRs are address ranges the relay treats as public on top of
+	// the globally routable ones, e.g. 100.64.0.0/10 when the relay and
+	// agents meet over carrier-grade NAT space, or a lab's range: the
+	// relay's addresses in them go into the circuit reservations it grants,
+	// which agents need to hole punch. Empty (the default) means only
+	// globally routable addresses count. Used when New creates the host.
+	PublicCIDRs []netip.Prefix
+	// RelayLimits bounds the circuits the relay carries between agents
+	// (gossip and hole-punch set-up; inference never takes a circuit). The
+	// zero value means transport.RelayLimits' defaults. Used when New
+	// creates the host.
+	RelayLimits transport.RelayLimits
+	// Gossip configures membership gossip among the relay and its agents;
+	// the zero value runs it with the home preset (see GossipConfig).
+	Gossip GossipConfig
 
 	// APIKeys are the client keys accepted as "Authorization: Bearer KEY".
 	// The relay refuses to start without keys unless NoAuth is set.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/rs/zerolog"
@@ -37,7 +38,19 @@ type Registry struct {
 	mu     sync.Mutex        // guards the following fields
 	byName map[string]*entry // agent name -> entry
 	byPeer map[peer.ID]*entry
+	// pending holds peers connected to the relay's host that have not
+	// joined (yet), with when their first connection opened: see Admitted.
+	pending map[peer.ID]time.Time
+	// members is gossip's view of every member, joined or not (gossip.go).
+	members map[peer.ID]*gossipPeer
 }
+
+// AdmitGrace is how long a peer connected to the relay but not joined may
+// reserve a circuit relay slot (Registry.Admitted): agents ask for their
+// reservation as soon as they connect, concurrently with the join handshake,
+// and a refusal would cost them the reservation backoff. A peer still not
+// joined after it is disconnected (see Relay).
+const AdmitGrace = 15 * time.Second
 
 // entry is one joined agent.
 type entry struct {
@@ -47,6 +60,9 @@ type entry struct {
 	info   transport.JoinInfo
 	health scheduler.Health
 	dead   bool // removed from routing by SetDead; the join still holds the name
+	// joinedAt is when the registration was accepted: gossip news about
+	// the peer from before it is stale (gossip.go).
+	joinedAt time.Time
 }
 
 // AgentInfo describes a joined agent, for status and tests.
@@ -65,11 +81,70 @@ var _ transport.JoinHandler = (*Registry)(nil)
 
 func newRegistry(s *scheduler.Scheduler, log zerolog.Logger) *Registry {
 	return &Registry{
-		sched:  s,
-		log:    log,
-		byName: make(map[string]*entry),
-		byPeer: make(map[peer.ID]*entry),
+		sched:   s,
+		log:     log,
+		byName:  make(map[string]*entry),
+		byPeer:  make(map[peer.ID]*entry),
+		pending: make(map[peer.ID]time.Time),
+		members: make(map[peer.ID]*gossipPeer),
 	}
+}
+
+// Admitted reports whether peer p may use the relay's circuit relay service
+// and gossip: it is joined, or it connected less than AdmitGrace ago and has
+// not joined yet (mid-join: its reservation request races the handshake). It
+// never blocks on I/O; the NAT options call it for every reservation and
+// circuit. Gossip admits joined peers only (see Joined).
+func (g *Registry) Admitted(p peer.ID) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.byPeer[p]; ok {
+		return true
+	}
+	since, ok := g.pending[p]
+	return ok && time.Since(since) < AdmitGrace
+}
+
+// IsJoined reports whether peer p holds a registration (gossip's Admit).
+func (g *Registry) IsJoined(p peer.ID) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	_, ok := g.byPeer[p]
+	return ok
+}
+
+// connected records a new connection from p (network notifier: no I/O).
+func (g *Registry) connected(p peer.ID, now time.Time) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.byPeer[p]; ok {
+		return
+	}
+	if _, ok := g.pending[p]; !ok {
+		g.pending[p] = now
+	}
+}
+
+// disconnected forgets a pending peer whose last connection closed.
+func (g *Registry) disconnected(p peer.ID) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	delete(g.pending, p)
+}
+
+// overdue returns the peers connected for AdmitGrace or longer without
+// joining, and forgets them.
+func (g *Registry) overdue(now time.Time) []peer.ID {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var out []peer.ID
+	for p, since := range g.pending {
+		if now.Sub(since) >= AdmitGrace {
+			out = append(out, p)
+			delete(g.pending, p)
+		}
+	}
+	return out
 }
 
 // Joined admits peer p as agent info.Name. It fails with ErrNameTaken when
@@ -91,10 +166,14 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 		delete(g.byName, old.name)
 		oldName = old.name
 	}
-	e := &entry{name: info.Name, peer: p, host: p.String(), info: cloneInfo(info)}
+	e := &entry{name: info.Name, peer: p, host: p.String(), info: cloneInfo(info), joinedAt: time.Now()}
 	if prev, ok := g.byName[info.Name]; ok {
 		e.health = prev.health
 	}
+	delete(g.pending, p)
+	// Gossip may already know the peer (a reconnect): its load still
+	// holds; a dead or suspect verdict does not, the join proves liveness.
+	e.health = g.gossipHealthLocked(p, e.health)
 	g.byName[info.Name] = e
 	g.byPeer[p] = e
 	// The scheduler is updated under mu so that concurrent joins and leaves

@@ -11,8 +11,10 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/multiformats/go-multiaddr"
 	"github.com/rs/zerolog"
 
@@ -37,6 +39,14 @@ type Relay struct {
 	host    host.Host // nil with NoP2P
 	ownHost bool      // New created host, so Close closes it
 	join    io.Closer // the join service on host
+
+	gossip *relayGossip // nil when gossip is off or without a host
+	// draining is set once the relay starts stopping; gossip publishes it.
+	draining atomic.Bool
+	// bgCtx ends when Close starts; bgWG waits for the goroutines it bounds.
+	bgCtx    context.Context
+	bgCancel context.CancelFunc
+	bgWG     sync.WaitGroup
 
 	closeOnce sync.Once
 	closeErr  error
@@ -70,10 +80,24 @@ func New(cfg Config) (*Relay, error) {
 	if !cfg.NoP2P {
 		r.host = cfg.Host
 		if r.host == nil {
+			// The relay's host also runs the circuit relay service for
+			// admitted peers (agents reach each other through it until hole
+			// punching gives them a direct path).
+			natOpts, err := transport.RelayNATOptions(transport.RelayNATConfig{
+				Admit:       r.reg.Admitted,
+				PublicCIDRs: cfg.PublicCIDRs,
+				Limits:      cfg.RelayLimits,
+			})
+			if err != nil {
+				return nil, fmt.Errorf("relay: %w", err)
+			}
+			limits := cfg.RelayLimits
 			h, err := transport.NewHost(transport.HostConfig{
 				ListenAddrs:  cfg.P2PListen,
 				IdentityFile: cfg.IdentityFile,
 				Logger:       cfg.Logger,
+				Options:      natOpts,
+				RelayLimits:  &limits,
 			})
 			if err != nil {
 				return nil, fmt.Errorf("relay: libp2p host: %w", err)
@@ -88,6 +112,23 @@ func New(cfg Config) (*Relay, error) {
 			return nil, fmt.Errorf("relay: join service: %w", err)
 		}
 		r.join = join
+		r.bgCtx, r.bgCancel = context.WithCancel(context.Background())
+		peerRelays := make(map[peer.ID]bool)
+		for _, ai := range cfg.Gossip.Relays {
+			peerRelays[ai.ID] = true
+		}
+		if r.ownHost {
+			// Only on our own host: an embedder's host may carry peers
+			// that have nothing to do with joining.
+			r.startP2PAdmission(peerRelays)
+		}
+		if !cfg.Gossip.Disabled {
+			if err := r.startGossip(); err != nil {
+				_ = r.Close()
+				return nil, err
+			}
+			r.metrics.reg.MustRegister(gossipCollector{r})
+		}
 		if r.rt == nil {
 			r.rt = transport.NewRoundTripper(r.host)
 		}
@@ -166,6 +207,9 @@ func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
 		return fmt.Errorf("relay: serve: %w", err)
 	case <-ctx.Done():
 	}
+	// Announce the stop first (gossip: draining, then leave), so that
+	// agents and peer relays learn it before the HTTP side goes.
+	r.startDrain()
 	sctx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)
 	defer cancel()
 	err := srv.Shutdown(sctx)
@@ -185,6 +229,13 @@ func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
 func (r *Relay) Close() error {
 	r.closeOnce.Do(func() {
 		var errs []error
+		if r.bgCancel != nil {
+			r.bgCancel()
+			r.bgWG.Wait()
+		}
+		if r.gossip != nil {
+			errs = append(errs, r.gossip.shutdown())
+		}
 		if r.join != nil {
 			errs = append(errs, r.join.Close())
 		}

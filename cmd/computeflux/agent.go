@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -34,6 +36,9 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 func agentConfig(args []string, lookupEnv func(string) (string, bool), stderr io.Writer) (agent.Config, error) {
 	var cfg agent.Config
 	var p2pListen, logFormat, logLevel string
+	var ephemeral bool
+	var nat natFlags
+	var gossip gossipFlags
 	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&cfg.Relay, "relay", "", "relay `multiaddr` ending in /p2p/<relay peer ID>")
@@ -44,7 +49,10 @@ func agentConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.StringVar(&cfg.Name, "name", "", "agent `name` shown by the relay (default: host name)")
 	fs.Float64Var(&cfg.Weight, "weight", 1, "relative share of traffic")
 	fs.IntVar(&cfg.MaxConcurrency, "max-concurrency", 0, "most concurrent requests (0: unlimited)")
-	fs.StringVar(&cfg.IdentityFile, "identity", "", "Ed25519 identity `file` (created on first run; empty: ephemeral)")
+	fs.StringVar(&cfg.IdentityFile, "identity", "", "Ed25519 identity `file`, created on first run (default: <user config dir>/computeflux/agent-<name>.key)")
+	fs.BoolVar(&ephemeral, "ephemeral-identity", false, "use a new identity on every start instead of a file (a restarted agent then waits until the relay drops its old registration)")
+	nat.register(fs)
+	gossip.register(fs)
 	fs.StringVar(&p2pListen, "p2p-listen", "", "comma-separated libp2p listen `multiaddrs` (default: QUIC on a random port, v4 and v6)")
 	fs.DurationVar(&cfg.DrainTimeout, "drain-timeout", 30*time.Second, "longest wait for in-flight requests when stopping")
 	fs.StringVar(&logFormat, "log-format", "console", "log format: console or json")
@@ -62,6 +70,23 @@ func agentConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 		if a = strings.TrimSpace(a); a != "" {
 			cfg.ListenAddrs = append(cfg.ListenAddrs, a)
 		}
+	}
+	if ephemeral && cfg.IdentityFile != "" {
+		return cfg, errors.New("agent: give --identity or --ephemeral-identity, not both")
+	}
+	if !ephemeral && cfg.IdentityFile == "" {
+		f, err := defaultIdentityFile(cfg.Name)
+		if err != nil {
+			return cfg, err
+		}
+		cfg.IdentityFile = f
+	}
+	var err error
+	if cfg.PublicCIDRs, err = nat.publicCIDRs(); err != nil {
+		return cfg, fmt.Errorf("agent: %w", err)
+	}
+	if cfg.Gossip, err = gossip.agentConfig(); err != nil {
+		return cfg, fmt.Errorf("agent: %w", err)
 	}
 	level, err := zerolog.ParseLevel(logLevel)
 	if err != nil {
@@ -96,4 +121,31 @@ func agentFlagsFromEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) 
 		}
 	})
 	return err
+}
+
+// defaultIdentityFile is where an agent keeps its key unless told
+// otherwise: <user config dir>/computeflux/agent-<name>.key. A stable
+// identity lets a restarted agent take its registration back at once (the
+// relay replaces the old one from the same peer instead of refusing the
+// name while the old one times out), and lets gossip recognise it. The
+// name is part of the path so that several agents of one user keep
+// distinct identities.
+func defaultIdentityFile(name string) (string, error) {
+	if name == "" {
+		name, _ = os.Hostname()
+	}
+	dir, err := os.UserConfigDir()
+	if err != nil {
+		return "", fmt.Errorf("agent: no place for the identity file (%w): give --identity FILE or --ephemeral-identity", err)
+	}
+	safe := []byte(name)
+	for i, c := range safe {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_' || c == '.') {
+			safe[i] = '_'
+		}
+	}
+	if len(safe) == 0 {
+		safe = []byte("agent")
+	}
+	return filepath.Join(dir, "computeflux", "agent-"+string(safe)+".key"), nil
 }

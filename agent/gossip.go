@@ -1,0 +1,273 @@
+package agent
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/peer"
+	ma "github.com/multiformats/go-multiaddr"
+
+	"github.com/computeflux/computeflux/transport"
+)
+
+// Defaults for the zero values of GossipConfig.
+const (
+	DefaultMetricsInterval    = 2 * time.Second
+	DefaultGossipLeaveTimeout = 3 * time.Second
+)
+
+// GossipConfig configures the agent's membership gossip. The agent joins
+// the gossip through its relay after every registration, learns the other
+// members from it and probes them through the relay's circuit until hole
+// punching gives a direct path. Its metadata carries its models, capacity,
+// in-flight count, the engine's queue and KV-cache usage, and its draining
+// flag. The zero value runs gossip with the home preset.
+type GossipConfig struct {
+	// Disabled keeps the agent out of gossip: the relay then knows it by its
+	// join registration alone (no load, slower failure detection).
+	Disabled bool
+	// Preset names the memberlist timings (transport.GossipPreset*). Empty
+	// means the home preset.
+	Preset string
+	// Tune edits the memberlist timings after the preset (nil: none).
+	Tune func(*memberlist.Config)
+	// MetricsInterval is how often the engine's /metrics is read for the
+	// gossip metadata (models are still read every RefreshInterval). Zero
+	// means DefaultMetricsInterval (2 s).
+	MetricsInterval time.Duration
+	// LeaveTimeout bounds the wait for our leave to spread when the agent
+	// stops. Zero means DefaultGossipLeaveTimeout (3 s).
+	LeaveTimeout time.Duration
+}
+
+// NAT returns the agent's NAT traversal machinery (path to a peer, hole
+// punch counters), or nil before Run has built its host.
+func (a *Agent) NAT() *transport.AgentNAT { return a.nat.Load() }
+
+// Gossip returns the agent's gossip member, or nil when gossip is off or
+// before Run has started it.
+func (a *Agent) Gossip() *transport.Gossip {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.gossip
+}
+
+// gossipMeta is the agent's health as published in gossip.
+func (a *Agent) gossipMeta() transport.NodeMeta {
+	a.mu.Lock()
+	models := slices.Clone(a.models)
+	met := a.metrics
+	engineOK := a.engineOK
+	a.mu.Unlock()
+	return transport.NodeMeta{
+		Role:         transport.NodeRoleAgent,
+		Name:         a.cfg.Name,
+		Models:       models,
+		Capacity:     a.cfg.MaxConcurrency,
+		InFlight:     a.InFlight(),
+		Running:      met.Running,
+		Waiting:      met.Waiting,
+		KVCacheUsage: met.KVCacheUsage,
+		Draining:     a.draining.Load(),
+		Unavailable:  !engineOK,
+	}
+}
+
+// startGossip starts the agent's gossip member on h and the goroutines
+// that join it through the relay and keep the engine's metrics fresh; they
+// stop with ctx (and wg).
+func (a *Agent) startGossip(ctx context.Context, h host.Host, wg *sync.WaitGroup) error {
+	gc := a.cfg.Gossip
+	if gc.Disabled {
+		return nil
+	}
+	relay := a.relay
+	g, err := transport.NewGossip(transport.GossipConfig{
+		Host:   h,
+		Logger: a.cfg.Logger,
+		Preset: gc.Preset,
+		Tune:   gc.Tune,
+		// Our relay, and the members it told us about: other agents must be
+		// able to probe us (indirect probes included).
+		Admit:        func(p peer.ID) bool { return p == relay.ID },
+		AdmitMembers: true,
+		// Other agents sit behind NAT too: reach them through the relay's
+		// circuit; libp2p moves the connection to a direct path when hole
+		// punching succeeds, and later streams take it.
+		Resolve:    func(p peer.ID) []ma.Multiaddr { return transport.CircuitAddrs(relay, p) },
+		MetaSource: a.gossipMeta,
+	})
+	if err != nil {
+		return err
+	}
+	a.mu.Lock()
+	a.gossip = g
+	a.mu.Unlock()
+	interval := gc.MetricsInterval
+	if interval <= 0 {
+		interval = DefaultMetricsInterval
+	}
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		a.gossipJoinLoop(ctx, g)
+	}()
+	go func() {
+		defer wg.Done()
+		a.metricsLoop(ctx, interval)
+	}()
+	return nil
+}
+
+// gossipRejoin asks the gossip loop to join through the relay.
+func (a *Agent) gossipRejoin() {
+	select {
+	case a.rejoin <- struct{}{}:
+	default:
+	}
+}
+
+// gossipJoinLoop joins the gossip through the relay whenever asked (after
+// each registration), retrying a few times with a growing pause: the relay
+// admits us to gossip only once the registration is in, which is before
+// Join returns, but its gossip may be busy or restarting.
+func (a *Agent) gossipJoinLoop(ctx context.Context, g *transport.Gossip) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-a.rejoin:
+		}
+		a.waitReservation(ctx, 5*time.Second)
+		pause := 250 * time.Millisecond
+		for attempt := 1; ; attempt++ {
+			start := time.Now()
+			n, err := g.Join(a.relay.ID)
+			if err == nil && n > 0 {
+				a.log.Info().Int("members", g.NumMembers()).Dur("took", time.Since(start)).Msg("joined the gossip")
+				break
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			if attempt == 5 {
+				a.log.Warn().Err(err).Msg("could not join the relay's gossip; the relay routes on the registration alone")
+				break
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(pause):
+			}
+			pause *= 2
+		}
+	}
+}
+
+// waitReservation waits (up to limit) until the agent holds a reservation
+// at the relay. Other agents reach us through the relay's circuit, which
+// needs it: members that learn of us before cannot probe us and would
+// suspect us for nothing.
+func (a *Agent) waitReservation(ctx context.Context, limit time.Duration) {
+	nat := a.NAT()
+	if nat == nil {
+		return
+	}
+	deadline := time.NewTimer(limit)
+	defer deadline.Stop()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for nat.Stats().Reservations <= 0 {
+		select {
+		case <-ctx.Done():
+			return
+		case <-deadline.C:
+			a.log.Warn().Dur("waited", limit).Msg("no relay reservation yet; joining the gossip anyway (other agents cannot reach us until there is one)")
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// metricsLoop reads the engine's /metrics every interval while the engine
+// answers, so that gossip carries fresh load.
+func (a *Agent) metricsLoop(ctx context.Context, interval time.Duration) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		a.mu.Lock()
+		ok := a.engineOK
+		a.mu.Unlock()
+		if !ok {
+			continue
+		}
+		met, err := a.scrapeMetrics(ctx)
+		if err != nil {
+			continue
+		}
+		a.mu.Lock()
+		a.metrics = met
+		a.mu.Unlock()
+	}
+}
+
+// gossipDraining publishes the draining flag now.
+func (a *Agent) gossipDraining() {
+	if g := a.Gossip(); g != nil {
+		g.UpdateMeta()
+	}
+}
+
+// gossipLeave announces our departure and waits (up to LeaveTimeout) for
+// it to spread.
+func (a *Agent) gossipLeave() {
+	g := a.Gossip()
+	if g == nil {
+		return
+	}
+	timeout := a.cfg.Gossip.LeaveTimeout
+	if timeout <= 0 {
+		timeout = DefaultGossipLeaveTimeout
+	}
+	start := time.Now()
+	defer func() {
+		// memberlist panics on a leave after its shutdown; a member shut
+		// down from outside (Gossip().Shutdown) has nothing left to leave.
+		if v := recover(); v != nil {
+			a.log.Debug().Interface("panic", v).Msg("gossip leave after shutdown")
+		}
+	}()
+	if err := g.Leave(timeout); err != nil {
+		a.log.Debug().Err(err).Msg("gossip leave")
+		return
+	}
+	a.log.Info().Dur("took", time.Since(start)).Msg("left the gossip")
+}
+
+// stopGossip shuts the gossip member down (after gossipLeave on a clean
+// stop).
+func (a *Agent) stopGossip() {
+	a.mu.Lock()
+	g := a.gossip
+	a.gossip = nil
+	a.mu.Unlock()
+	if g != nil {
+		_ = g.Shutdown()
+	}
+}
+
+// Host returns the agent's libp2p host while Run runs, else nil.
+func (a *Agent) Host() host.Host {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.host
+}

@@ -1,0 +1,269 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+	ma "github.com/multiformats/go-multiaddr"
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/agent"
+	"github.com/computeflux/computeflux/transport"
+)
+
+// udpCut forwards one client's UDP datagrams to a target and back until
+// cut, after which it drops everything in both directions: to the peers on
+// the other side, the client looks like a machine that lost power (QUIC
+// sends no close; nothing answers).
+type udpCut struct {
+	ln, up *net.UDPConn
+	client atomic.Pointer[net.UDPAddr]
+	cut    atomic.Bool
+	wg     sync.WaitGroup
+}
+
+func newUDPCut(t testing.TB, target *net.UDPAddr) *udpCut {
+	t.Helper()
+	ln, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	up, err := net.DialUDP("udp4", nil, target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u := &udpCut{ln: ln, up: up}
+	u.wg.Add(2)
+	go func() {
+		defer u.wg.Done()
+		buf := make([]byte, 65536)
+		for {
+			n, from, err := ln.ReadFromUDP(buf)
+			if err != nil {
+				return
+			}
+			u.client.Store(from)
+			if !u.cut.Load() {
+				_, _ = up.Write(buf[:n])
+			}
+		}
+	}()
+	go func() {
+		defer u.wg.Done()
+		buf := make([]byte, 65536)
+		for {
+			n, err := up.Read(buf)
+			if err != nil {
+				if errors.Is(err, net.ErrClosed) {
+					return
+				}
+				continue // ICMP errors while the target restarts
+			}
+			if c := u.client.Load(); c != nil && !u.cut.Load() {
+				_, _ = ln.WriteToUDP(buf[:n], c)
+			}
+		}
+	}()
+	t.Cleanup(u.close)
+	return u
+}
+
+func (u *udpCut) port() int { return u.ln.LocalAddr().(*net.UDPAddr).Port }
+
+func (u *udpCut) close() {
+	_ = u.ln.Close()
+	_ = u.up.Close()
+	u.wg.Wait()
+}
+
+// crashRun is one measurement: a relay and n agents, the last of which
+// reaches the relay through a udpCut; the cut silences it.
+type crashRun struct {
+	converge  time.Duration // last agent started -> relay and every agent see everyone
+	detect    time.Duration // cut -> the relay stops routing to the victim
+	joinEnd   time.Duration // cut -> the relay's join stream for the victim ends (0: not within the wait)
+	bytesRate []float64     // gossip payload bytes sent per second, per node (relay first), in steady state
+}
+
+func runCrash(t *testing.T, n int, preset string, tune func(*memberlist.Config), steady time.Duration, waitJoinEnd bool) crashRun {
+	t.Helper()
+	defer gWaitMemberlistStopped(t)
+	var res crashRun
+	gr := startGRelay(t, tune, preset)
+	dir := t.TempDir()
+	p, err := gr.r.Addrs()[0].ValueForProtocol(ma.P_UDP)
+	if err != nil {
+		t.Fatal(err)
+	}
+	relayUDP := &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)}
+	relayUDP.Port, _ = strconv.Atoi(p)
+	cut := newUDPCut(t, relayUDP)
+
+	agents := make([]*gAgent, n)
+	start := time.Now()
+	for i := range agents {
+		name := fmt.Sprintf("agent-%d", i)
+		e := newGEngine(t, name)
+		if i < n-1 {
+			agents[i] = startGAgent(t, gr, name, e, filepath.Join(dir, name+".key"), tune, preset)
+			continue
+		}
+		relayVia := fmt.Sprintf("/ip4/127.0.0.1/udp/%d/quic-v1/p2p/%s", cut.port(), gr.r.Host().ID())
+		agents[i] = startGAgentVia(t, relayVia, name, e, tune, preset)
+	}
+	gPoll(t, 2*time.Minute, "convergence", func() bool {
+		if len(relayAgentMembers(gr)) != n {
+			return false
+		}
+		for _, ga := range agents {
+			if g := ga.a.Gossip(); g == nil || len(g.Members()) != n {
+				return false
+			}
+		}
+		return true
+	})
+	res.converge = time.Since(start)
+
+	// Steady state traffic.
+	type sample struct {
+		relay  uint64
+		agents []uint64
+	}
+	read := func() sample {
+		s := sample{relay: gr.r.Gossip().Stats().BytesSent}
+		for _, ga := range agents {
+			s.agents = append(s.agents, ga.a.Gossip().Stats().BytesSent)
+		}
+		return s
+	}
+	if steady > 0 {
+		before, t0 := read(), time.Now()
+		time.Sleep(steady) // a measurement window, not a wait for a condition
+		after, el := read(), time.Since(t0).Seconds()
+		res.bytesRate = append(res.bytesRate, float64(after.relay-before.relay)/el)
+		for i := range agents {
+			res.bytesRate = append(res.bytesRate, float64(after.agents[i]-before.agents[i])/el)
+		}
+	}
+
+	victim := agents[n-1]
+	gPoll(t, time.Minute, "the victim routable", func() bool { return routable(gr, victim.name) })
+	cutAt := time.Now()
+	cut.cut.Store(true)
+	res.detect = gPoll(t, 3*time.Minute, "the relay to stop routing to the silenced agent", func() bool { return !routable(gr, victim.name) })
+	if got := servedBy(t, gr, 2*n); got[victim.name] > 0 {
+		t.Errorf("requests still reached the silenced agent: %v", got)
+	}
+	// The join stream ends only when QUIC gives up on the silent
+	// connection; note when, if it happens within a minute.
+	for waitJoinEnd && time.Since(cutAt) < time.Minute {
+		if _, ok := gr.r.Registry().Peer(victim.name); !ok {
+			res.joinEnd = time.Since(cutAt)
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if h := victim.a.Host(); h != nil {
+		_ = h.Close()
+	}
+	var wg sync.WaitGroup
+	for _, ga := range agents {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ga.stop()
+		}()
+	}
+	wg.Wait()
+	gr.stop()
+	return res
+}
+
+// startGAgentVia starts an agent that dials its relay at relayAddr (an
+// address through a udpCut), with an ephemeral identity.
+func startGAgentVia(t testing.TB, relayAddr, name string, e *gEngine, tune func(*memberlist.Config), preset string) *gAgent {
+	t.Helper()
+	a, err := agent.New(agent.Config{
+		Relay:           relayAddr,
+		Token:           gToken,
+		Upstream:        e.srv.URL,
+		Name:            name,
+		ListenAddrs:     []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
+		Logger:          zerolog.New(io.Discard),
+		MinBackoff:      20 * time.Millisecond,
+		MaxBackoff:      500 * time.Millisecond,
+		DrainTimeout:    time.Second,
+		RefreshInterval: time.Second,
+		Gossip:          agent.GossipConfig{Preset: preset, Tune: tune, MetricsInterval: 100 * time.Millisecond, LeaveTimeout: time.Second},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ga := &gAgent{name: name, e: e, a: a, cancel: cancel, done: make(chan error, 1)}
+	go func() { ga.done <- a.Run(ctx) }()
+	t.Cleanup(ga.stop)
+	return ga
+}
+
+// TestGossipDetectsSilencedAgent: an agent whose every packet vanishes
+// (power cut, kernel hang, cable pulled: QUIC sends no close) is found
+// dead by gossip and taken out of routing long before QUIC's idle timeout
+// would end its join stream.
+func TestGossipDetectsSilencedAgent(t *testing.T) {
+	res := runCrash(t, 5, transport.GossipPresetLocal, gFastTune, 0, false)
+	t.Logf("5 agents: converged in %v; silenced agent out of routing after %v (fast test timings)", res.converge, res.detect)
+}
+
+// TestGossipMeasure measures, with the default (home) preset, the time from
+// an agent going silent to the relay no longer routing to it (median over
+// runs), gossip bytes per second per node and convergence time, for a relay
+// and 5 agents. It takes a few minutes: COMPUTEFLUX_GOSSIP_MEASURE=1 (and
+// COMPUTEFLUX_GOSSIP_RUNS, default 5) runs it.
+//
+//	COMPUTEFLUX_GOSSIP_MEASURE=1 go test -run TestGossipMeasure -v -timeout 30m ./relay/
+func TestGossipMeasure(t *testing.T) {
+	if os.Getenv("COMPUTEFLUX_GOSSIP_MEASURE") == "" {
+		t.Skip("set COMPUTEFLUX_GOSSIP_MEASURE=1 to measure (minutes)")
+	}
+	runs := 5
+	if s := os.Getenv("COMPUTEFLUX_GOSSIP_RUNS"); s != "" {
+		runs, _ = strconv.Atoi(s)
+	}
+	var detect, converge, joinEnd []time.Duration
+	var rates []float64
+	for i := range runs {
+		res := runCrash(t, 5, transport.GossipPresetHome, nil, 30*time.Second, true)
+		t.Logf("run %d: converge %v, detect %v, join stream end %v, bytes/s sent per node %.0f", i+1, res.converge, res.detect, res.joinEnd, res.bytesRate)
+		detect = append(detect, res.detect)
+		converge = append(converge, res.converge)
+		joinEnd = append(joinEnd, res.joinEnd)
+		rates = append(rates, res.bytesRate...)
+	}
+	med := func(d []time.Duration) time.Duration {
+		s := slices.Clone(d)
+		slices.Sort(s)
+		return s[len(s)/2]
+	}
+	sort.Float64s(rates)
+	mean := 0.0
+	for _, r := range rates {
+		mean += r
+	}
+	mean /= float64(len(rates))
+	t.Logf("home preset, relay + 5 agents, %d runs: detection median %v (min %v, max %v); convergence median %v; join stream end median %v; gossip bytes/s sent per node mean %.0f (min %.0f, max %.0f)",
+		runs, med(detect), slices.Min(detect), slices.Max(detect), med(converge), med(joinEnd), mean, rates[0], rates[len(rates)-1])
+}

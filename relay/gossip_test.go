@@ -1,0 +1,420 @@
+package relay_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/agent"
+	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
+)
+
+// These tests run a relay and real agents (package agent) over QUIC on
+// loopback with membership gossip on, and check that gossip drives the
+// relay's routing table.
+
+const gToken = "gossip-join-secret"
+
+// gFastTune makes failure detection quick enough for tests while leaving a
+// loaded, race-instrumented machine room to answer probes: probe every
+// second, ack within 500 ms, a suspect is dead after 3 to 12 s.
+func gFastTune(c *memberlist.Config) {
+	c.ProbeInterval = time.Second
+	c.ProbeTimeout = 500 * time.Millisecond
+	c.IndirectChecks = 3
+	c.SuspicionMult = 3
+	c.SuspicionMaxTimeoutMult = 4
+	c.GossipInterval = 100 * time.Millisecond
+	c.RetransmitMult = 4
+	c.TCPTimeout = 3 * time.Second
+	c.PushPullInterval = 5 * time.Second
+	c.GossipToTheDeadTime = 10 * time.Second
+}
+
+// gEngine is an OpenAI-compatible engine with vLLM-style /metrics.
+type gEngine struct {
+	name                      string
+	srv                       *httptest.Server
+	running, waiting, kvMilli atomic.Int64
+}
+
+func newGEngine(t testing.TB, name string) *gEngine {
+	e := &gEngine{name: name}
+	e.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/v1/models":
+			w.Header().Set("Content-Type", "application/json")
+			fmt.Fprint(w, `{"object":"list","data":[{"id":"m1","object":"model"}]}`)
+		case "/metrics":
+			fmt.Fprintf(w, "vllm:num_requests_running{model_name=\"m1\"} %d\nvllm:num_requests_waiting{model_name=\"m1\"} %d\nvllm:kv_cache_usage_perc{model_name=\"m1\"} %g\n",
+				e.running.Load(), e.waiting.Load(), float64(e.kvMilli.Load())/1000)
+		case "/v1/chat/completions":
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "application/json")
+			fmt.Fprintf(w, `{"id":"x","object":"chat.completion","model":"m1","choices":[{"index":0,"message":{"role":"assistant","content":"hi from %s"},"finish_reason":"stop"}]}`, e.name)
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	t.Cleanup(e.srv.Close)
+	return e
+}
+
+// gRelay is a relay with gossip serving HTTP on loopback.
+type gRelay struct {
+	r      *relay.Relay
+	url    string
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string) *gRelay {
+	t.Helper()
+	r, err := relay.New(relay.Config{
+		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
+		Token:     []byte(gToken),
+		NoAuth:    true,
+		Policy:    scheduler.PolicyRoundRobin,
+		Logger:    zerolog.New(io.Discard),
+		Gossip:    relay.GossipConfig{Preset: preset, Tune: tune, LeaveTimeout: time.Second},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	gr := &gRelay{r: r, url: "http://" + ln.Addr().String(), cancel: cancel, done: make(chan error, 1)}
+	go func() { gr.done <- r.Serve(ctx, ln) }()
+	t.Cleanup(gr.stop)
+	return gr
+}
+
+func (gr *gRelay) stop() {
+	if gr.cancel != nil {
+		gr.cancel()
+		<-gr.done
+		gr.cancel = nil
+	}
+}
+
+// gAgent is a package agent Agent in front of a gEngine.
+type gAgent struct {
+	name     string
+	e        *gEngine
+	identity string
+	a        *agent.Agent
+	cancel   context.CancelFunc
+	done     chan error
+}
+
+func startGAgent(t testing.TB, gr *gRelay, name string, e *gEngine, identity string, tune func(*memberlist.Config), preset string) *gAgent {
+	t.Helper()
+	a, err := agent.New(agent.Config{
+		Relay:           gr.r.Addrs()[0].String(),
+		Token:           gToken,
+		Upstream:        e.srv.URL,
+		Name:            name,
+		IdentityFile:    identity,
+		ListenAddrs:     []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
+		Logger:          zerolog.New(io.Discard),
+		MinBackoff:      20 * time.Millisecond,
+		MaxBackoff:      500 * time.Millisecond,
+		DrainTimeout:    2 * time.Second,
+		RefreshInterval: time.Second,
+		Gossip:          agent.GossipConfig{Preset: preset, Tune: tune, MetricsInterval: 100 * time.Millisecond, LeaveTimeout: time.Second},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ga := &gAgent{name: name, e: e, identity: identity, a: a, cancel: cancel, done: make(chan error, 1)}
+	go func() { ga.done <- a.Run(ctx) }()
+	t.Cleanup(ga.stop)
+	return ga
+}
+
+// stop drains the agent and leaves gracefully.
+func (ga *gAgent) stop() {
+	if ga.cancel != nil {
+		ga.cancel()
+		<-ga.done
+		ga.cancel = nil
+	}
+}
+
+// gPoll polls cond every 10 ms until it holds or limit passes, and returns
+// how long it took.
+func gPoll(t testing.TB, limit time.Duration, what string, cond func() bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for !cond() {
+		if time.Since(start) > limit {
+			t.Fatalf("timed out after %v waiting for %s", limit, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return time.Since(start)
+}
+
+// gWaitMemberlistStopped polls until no memberlist goroutine is left (its
+// Shutdown does not wait for a probe in progress), so goleak stays quiet.
+func gWaitMemberlistStopped(t testing.TB) {
+	t.Helper()
+	buf := make([]byte, 4<<20)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		n := runtime.Stack(buf, true)
+		if !bytes.Contains(buf[:n], []byte("hashicorp/memberlist.(*Memberlist)")) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("memberlist goroutines still running 30 s after shutdown")
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// relayAgentMembers returns the agent names the relay's gossip lists alive
+// (not suspect) with decoded metadata.
+func relayAgentMembers(gr *gRelay) []string {
+	var names []string
+	for _, m := range gr.r.Gossip().Members() {
+		if !m.Suspect && m.MetaErr == nil && m.Meta.Role == transport.NodeRoleAgent {
+			names = append(names, m.Meta.Name)
+		}
+	}
+	sort.Strings(names)
+	return names
+}
+
+func routable(gr *gRelay, name string) bool {
+	for _, s := range gr.r.Scheduler().Snapshot() {
+		if s.ID == name && !s.Health.Draining {
+			return true
+		}
+	}
+	return false
+}
+
+// servedBy sends n requests (round-robin policy) and returns the agents
+// that served them; any failure is fatal.
+func servedBy(t testing.TB, gr *gRelay, n int) map[string]int {
+	t.Helper()
+	hc := &http.Client{Timeout: 30 * time.Second}
+	defer hc.CloseIdleConnections()
+	out := map[string]int{}
+	for i := range n {
+		resp, err := hc.Post(gr.url+"/v1/chat/completions", "application/json",
+			strings.NewReader(`{"model":"m1","messages":[{"role":"user","content":"hi"}]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: status %d", i, resp.StatusCode)
+		}
+		out[resp.Header.Get(relay.HeaderAgent)]++
+	}
+	return out
+}
+
+func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset string) (*gRelay, []*gAgent, time.Duration) {
+	t.Helper()
+	gr := startGRelay(t, tune, preset)
+	dir := t.TempDir()
+	agents := make([]*gAgent, n)
+	for i := range agents {
+		name := fmt.Sprintf("agent-%d", i)
+		agents[i] = startGAgent(t, gr, name, newGEngine(t, name), filepath.Join(dir, name+".key"), tune, preset)
+	}
+	took := gPoll(t, 60*time.Second, "the relay to see every agent alive in gossip", func() bool {
+		return len(relayAgentMembers(gr)) == n
+	})
+	gPoll(t, 60*time.Second, "every agent to see every other member", func() bool {
+		for _, ga := range agents {
+			g := ga.a.Gossip()
+			if g == nil || len(g.Members()) != n {
+				return false
+			}
+		}
+		return true
+	})
+	return gr, agents, took
+}
+
+// TestGossipDrivesRouting runs a relay and 5 agents and walks through the
+// membership life cycle as the relay's routing table sees it.
+func TestGossipDrivesRouting(t *testing.T) {
+	defer gWaitMemberlistStopped(t)
+	gr, agents, took := startGCluster(t, 5, gFastTune, transport.GossipPresetLocal)
+	t.Logf("5 agents alive with metadata at the relay %v after the first start", took)
+	want := []string{"agent-0", "agent-1", "agent-2", "agent-3", "agent-4"}
+	gPoll(t, 30*time.Second, "the relay's gossip to list agent-0..4 alive", func() bool { return slices.Equal(relayAgentMembers(gr), want) })
+
+	t.Run("metadata reaches the scheduler", func(t *testing.T) {
+		e := agents[1].e
+		e.running.Store(3)
+		e.waiting.Store(7)
+		e.kvMilli.Store(420)
+		gPoll(t, 30*time.Second, "agent-1's engine load in the relay's scheduler", func() bool {
+			for _, s := range gr.r.Scheduler().Snapshot() {
+				if s.ID == "agent-1" {
+					h := s.Health
+					return h.Running >= 3 && h.Waiting == 7 && h.KVCacheUsage > 0.419 && h.KVCacheUsage < 0.421
+				}
+			}
+			return false
+		})
+	})
+
+	t.Run("a peer that has not joined cannot inject gossip", func(t *testing.T) {
+		h, err := transport.NewHost(transport.HostConfig{ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer h.Close()
+		relayInfo := peer.AddrInfo{ID: gr.r.Host().ID(), Addrs: gr.r.Host().Addrs()}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := h.Connect(ctx, relayInfo); err != nil {
+			t.Fatal(err)
+		}
+		g, err := transport.NewGossip(transport.GossipConfig{
+			Host: h, Preset: transport.GossipPresetLocal, Tune: gFastTune,
+			Admit:      func(p peer.ID) bool { return p == relayInfo.ID },
+			MetaSource: func() transport.NodeMeta { return transport.NodeMeta{Role: transport.NodeRoleAgent, Name: "intruder"} },
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer g.Shutdown()
+		before := gr.r.Gossip().Stats().Rejected
+		if n, err := g.Join(relayInfo.ID); err == nil && n > 0 {
+			t.Fatalf("an outsider joined the relay's gossip (%d)", n)
+		}
+		if gr.r.Gossip().Known(h.ID()) {
+			t.Error("the relay lists the outsider as a member")
+		}
+		if gr.r.Gossip().Stats().Rejected <= before {
+			t.Error("the refused gossip stream was not counted")
+		}
+	})
+
+	t.Run("gossip dead while the join stream is open", func(t *testing.T) {
+		// The agent's process is alive and registered but its gossip went
+		// silent (hung, or its probes cannot get through): only gossip can
+		// tell.
+		victim := agents[2]
+		_ = victim.a.Gossip().Shutdown()
+		took := gPoll(t, 60*time.Second, "the relay to take agent-2 out of routing", func() bool { return !routable(gr, "agent-2") })
+		t.Logf("gossip-silent agent out of routing after %v (fast test timings)", took)
+		if _, ok := gr.r.Registry().Peer("agent-2"); !ok {
+			t.Error("the agent lost its name while its registration is open")
+		}
+		if got := servedBy(t, gr, 12); got["agent-2"] > 0 {
+			t.Errorf("requests still went to the dead agent: %v", got)
+		}
+	})
+
+	t.Run("host closed without leaving, then restarted", func(t *testing.T) {
+		victim := agents[3]
+		start := time.Now()
+		if err := victim.a.Host().Close(); err != nil {
+			t.Fatal(err)
+		}
+		took := gPoll(t, 60*time.Second, "the relay to take agent-3 out of routing", func() bool { return !routable(gr, "agent-3") })
+		t.Logf("closed agent out of routing after %v", took)
+		if got := servedBy(t, gr, 12); got["agent-3"] > 0 {
+			t.Errorf("requests still went to the closed agent: %v", got)
+		}
+		gPoll(t, 60*time.Second, "the other agents' gossip to drop agent-3", func() bool {
+			for _, ga := range []*gAgent{agents[0], agents[1], agents[4]} {
+				if ga.a.Gossip().Known(victim.a.ID()) {
+					return false
+				}
+			}
+			return true
+		})
+		t.Logf("closed agent dropped by every other agent's gossip after %v", time.Since(start))
+		stopAt := time.Now()
+		victim.stop()
+		t.Logf("stopping the closed agent took %v", time.Since(stopAt))
+
+		// Restart with the same identity: it joins again, gossip sees it
+		// alive, and it takes requests.
+		agents[3] = startGAgent(t, gr, "agent-3", victim.e, victim.identity, gFastTune, transport.GossipPresetLocal)
+		if agents[3].a.ID() != victim.a.ID() {
+			t.Fatal("restarted agent has another peer ID")
+		}
+		back := gPoll(t, 60*time.Second, "the restarted agent alive in the relay's gossip and routable", func() bool {
+			return slices.Contains(relayAgentMembers(gr), "agent-3") && routable(gr, "agent-3")
+		})
+		t.Logf("restarted agent alive in gossip and routable after %v", back)
+		if got := servedBy(t, gr, 12); got["agent-3"] == 0 {
+			t.Errorf("the restarted agent takes no requests: %v", got)
+		}
+	})
+
+	t.Run("graceful leave is seen at once", func(t *testing.T) {
+		leaver := agents[4]
+		start := time.Now()
+		stopped := make(chan struct{})
+		go func() {
+			leaver.stop()
+			close(stopped)
+		}()
+		took := gPoll(t, 30*time.Second, "the relay to stop routing to the leaving agent", func() bool { return !routable(gr, "agent-4") })
+		t.Logf("leaving agent out of routing after %v", took)
+		<-stopped
+		t.Logf("agent stopped (drain, gossip leave, registration closed) after %v", time.Since(start))
+		if got := servedBy(t, gr, 12); got["agent-4"] > 0 {
+			t.Errorf("requests went to an agent that left: %v", got)
+		}
+		for _, ga := range []*gAgent{agents[0], agents[1]} {
+			gPoll(t, 30*time.Second, "the others to drop the leaver", func() bool { return !ga.a.Gossip().Known(leaver.a.ID()) })
+		}
+	})
+
+	if os.Getenv("COMPUTEFLUX_GOSSIP_LOG_STATS") != "" {
+		for _, ga := range agents {
+			if g := ga.a.Gossip(); g != nil {
+				t.Logf("%s gossip stats %+v", ga.name, g.Stats())
+			}
+		}
+	}
+	var wg sync.WaitGroup
+	for _, ga := range agents {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ga.stop()
+		}()
+	}
+	wg.Wait()
+	gr.stop()
+}
