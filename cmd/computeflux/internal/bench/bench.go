@@ -284,6 +284,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		}
 		if err != nil {
 			errs[i] = fmt.Errorf("bench: %s: %w", p, err)
+		} else if cfg.Progress != nil {
+			fmt.Fprintf(cfg.Progress, "bench %s %s %s: %d requests in %s\n",
+				cfg.Mode, p, cfg.Scenario, rp.Results[i].Requests, rp.Results[i].Wall.Round(time.Millisecond))
 		}
 	}
 	if cfg.Parallel && cfg.Mode == ModeLive {

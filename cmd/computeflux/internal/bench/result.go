@@ -202,7 +202,12 @@ func (rp *Report) WriteTable(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(&b, "\noracle hit ratio (one infinite cache that has seen every earlier request): %.1f%%\n", 100*rp.Oracle)
+	b.WriteString("\nwall time per policy:")
+	for _, r := range rp.Results {
+		fmt.Fprintf(&b, " %s %s", r.Policy, r.Wall.Round(100*time.Millisecond))
+	}
+	b.WriteString("\n")
+	fmt.Fprintf(&b, "oracle hit ratio (one infinite cache that has seen every earlier request): %.1f%%\n", 100*rp.Oracle)
 	if share, ok := rp.StickyShare(); ok {
 		fmt.Fprintf(&b, "sticky reaches %.1f%% of the oracle\n", 100*share)
 	}
