@@ -378,3 +378,21 @@ func failuresOf(tb *testbed, name string) int {
 	}
 	return -1
 }
+
+func TestNoAgentsIsUnavailableNotUnknown(t *testing.T) {
+	tb := newTestbed(t, nil, nil)
+	resp := tb.do("POST", "/v1/chat/completions", chatBody)
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
+		t.Errorf("no agents: %d Retry-After %q, want 503 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
+	}
+	if e := apiError(t, resp); e.Code != "no_healthy_agent" {
+		t.Errorf("code %q", e.Code)
+	}
+	// Once some agent serves something, a model nobody serves is unknown.
+	tb.addAgent("a", []string{"m2"})
+	resp = tb.do("POST", "/v1/chat/completions", chatBody)
+	if resp.StatusCode != 404 {
+		t.Errorf("with an agent for another model: %d, want 404", resp.StatusCode)
+	}
+	apiError(t, resp)
+}

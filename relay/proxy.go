@@ -76,6 +76,14 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	for n := 0; n < r.cfg.MaxAttempts; n++ {
 		c, err := att.Pick()
 		if err != nil {
+			if errors.Is(err, scheduler.ErrUnknownModel) && failures == 0 && r.reg.routable() == 0 {
+				// No agent at all, as right after a relay restart while
+				// agents rejoin: the model may well exist, so say
+				// "unavailable, retry" rather than "no such model".
+				e := errUnavailable(err)
+				e.RetryAfter = time.Second
+				return e
+			}
 			rl.agent, rl.affinity = "", "" // no agent served the request
 			return pickError(err, rt.model, failures, allRateLimited, retryAfter, lastErr)
 		}

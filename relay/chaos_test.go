@@ -1,0 +1,317 @@
+package relay_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay/relaytest"
+)
+
+// Chaos under load: a steady load of concurrent sessions, streamed and not,
+// runs through a relay and three agents over QUIC while agents are killed
+// (host closed without leaving) and restarted one at a time, and the relay
+// restarts once.
+//
+// What must hold:
+//   - A non-streamed request never fails while two agents are alive: the
+//     relay retries an attempt that died with its agent elsewhere, and a
+//     non-streamed answer is checked whole before the client sees it, so
+//     even one cut mid-body is retried. The only excusable failures are
+//     requests whose lifetime overlaps the relay's own restart (its HTTP
+//     server is down: nobody could have served them), widened by a short
+//     grace for clients reconnecting.
+//   - A stream ends by itself within its deadline: complete ([DONE]) or,
+//     when its agent died after the first event, with an OpenAI-style error
+//     event. Hangs fail the test; so do streams cut without an error event
+//     outside the restart window.
+//   - Afterwards no goroutine is left (goleak) and no file descriptor
+//     (/proc/self/fd, with a small tolerance for descriptors the runtime and
+//     the resolver open lazily on first use and keep).
+
+const (
+	chaosWorkers     = 6                // concurrent sessions: half streamed
+	chaosReqTimeout  = 30 * time.Second // a request still running then is a hang
+	chaosGrace       = time.Second      // after the relay restart, for clients reconnecting
+	chaosFDTolerance = 8
+)
+
+// chaosResult is one request's fate.
+type chaosResult struct {
+	stream     bool
+	start, end time.Time
+	cause      string // "ok", "error_event", "status_NNN", "conn", "truncated", "hang"
+}
+
+func countFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skipf("cannot count descriptors: %v", err)
+	}
+	return len(ents)
+}
+
+// chaosRequest sends one request and classifies how it ended.
+func chaosRequest(c *http.Client, url, key, session string, stream bool) chaosResult {
+	res := chaosResult{stream: stream, start: time.Now()}
+	defer func() { res.end = time.Now() }()
+	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"session %s says hello"}],"max_tokens":8,"stream":%v}`,
+		simengine.DefaultModel, session, stream)
+	ctx, cancel := context.WithTimeout(context.Background(), chaosReqTimeout)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, "POST", url+"/v1/chat/completions", strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Session-ID", session)
+	resp, err := c.Do(req)
+	if err != nil {
+		res.cause = "conn"
+		if errors.Is(err, context.DeadlineExceeded) {
+			res.cause = "hang"
+		}
+		res.end = time.Now()
+		return res
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 {
+		_, _ = io.Copy(io.Discard, resp.Body)
+		res.cause = fmt.Sprintf("status_%d", resp.StatusCode)
+		res.end = time.Now()
+		return res
+	}
+	if !stream {
+		b, err := io.ReadAll(resp.Body)
+		switch {
+		case errors.Is(err, context.DeadlineExceeded):
+			res.cause = "hang"
+		case err != nil || !json.Valid(b):
+			res.cause = "truncated"
+		default:
+			res.cause = "ok"
+		}
+		res.end = time.Now()
+		return res
+	}
+	res.cause = "truncated"
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		d, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if d == "[DONE]" {
+			res.cause = "ok"
+			break
+		}
+		if strings.HasPrefix(d, `{"error":`) {
+			res.cause = "error_event"
+			break
+		}
+	}
+	if errors.Is(sc.Err(), context.DeadlineExceeded) {
+		res.cause = "hang"
+	}
+	res.end = time.Now()
+	return res
+}
+
+func TestChaosUnderLoad(t *testing.T) {
+	if testing.Short() {
+		t.Skip("chaos run skipped in -short mode")
+	}
+	fdBefore := countFDs(t)
+	ignore := goleak.IgnoreCurrent()
+
+	ctx := context.Background()
+	cl, err := relaytest.Start(ctx, relaytest.Config{
+		Engines: 3,
+		Engine:  simengine.Config{TimeScale: 4},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := false
+	defer func() {
+		if !closed {
+			cl.Close()
+		}
+	}()
+	tr := &http.Transport{MaxIdleConnsPerHost: chaosWorkers}
+	client := &http.Client{Transport: tr}
+
+	var (
+		mu      sync.Mutex
+		results []chaosResult
+	)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for w := 0; w < chaosWorkers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				// Each worker keeps a few conversations going.
+				session := fmt.Sprintf("w%d-s%d", w, i%4)
+				r := chaosRequest(client, cl.URL(), cl.APIKey(), session, w%2 == 1)
+				mu.Lock()
+				results = append(results, r)
+				mu.Unlock()
+				if r.cause != "ok" && r.cause != "error_event" {
+					// Clients back off a little after a failure (the
+					// OpenAI SDKs wait longer still).
+					select {
+					case <-stop:
+					case <-time.After(20 * time.Millisecond):
+					}
+				}
+			}
+		}()
+	}
+	// pause lets the load run for d; it waits for no condition.
+	pause := func(d time.Duration) { <-time.After(d) }
+	pause(time.Second) // warm up
+
+	stormStart := time.Now()
+	var restartFrom, restartTo time.Time
+	var detect []time.Duration // kill to the relay dropping the agent
+	for round := 0; round < 3; round++ {
+		i := round % 3
+		name := cl.Engine(i).Name
+		killedAt := time.Now()
+		if err := cl.KillAgent(i); err != nil {
+			t.Errorf("kill agent %d: %v", i, err)
+		}
+		for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); {
+			if _, ok := cl.Relay().Registry().Peer(name); !ok {
+				detect = append(detect, time.Since(killedAt))
+				break
+			}
+			pause(5 * time.Millisecond)
+		}
+		pause(700 * time.Millisecond)
+		if err := cl.RestartAgent(ctx, i); err != nil {
+			t.Fatalf("restart agent %d: %v", i, err)
+		}
+		pause(500 * time.Millisecond)
+		if round == 1 {
+			restartFrom = time.Now()
+			if err := cl.RestartRelay(ctx); err != nil {
+				t.Fatalf("restart relay: %v", err)
+			}
+			restartTo = time.Now()
+			pause(500 * time.Millisecond)
+		}
+	}
+	stormEnd := time.Now()
+	close(stop)
+	wg.Wait()
+
+	// Tally.
+	excused := func(r chaosResult) bool {
+		return r.end.After(restartFrom) && r.start.Before(restartTo.Add(chaosGrace))
+	}
+	byCause := map[string]int{}
+	var lat []time.Duration
+	var sent, okN, streamsErr int
+	for _, r := range results {
+		sent++
+		key := r.cause
+		if r.stream {
+			key = "stream/" + key
+		}
+		if r.cause != "ok" && excused(r) {
+			key += " (relay restart)"
+		}
+		byCause[key]++
+		if r.cause == "ok" {
+			okN++
+		}
+		if r.stream && r.cause == "error_event" {
+			streamsErr++
+		}
+		if !r.stream && r.cause == "ok" && !r.start.Before(stormStart) && !r.end.After(stormEnd) {
+			lat = append(lat, r.end.Sub(r.start))
+		}
+		switch {
+		case r.cause == "hang":
+			t.Errorf("a request hung for %v (stream=%v)", r.end.Sub(r.start), r.stream)
+		case r.cause == "ok" || excused(r):
+		case !r.stream:
+			t.Errorf("non-streamed request failed (%s) while two agents were alive, at %v into the storm",
+				r.cause, r.start.Sub(stormStart).Round(time.Millisecond))
+		case r.cause != "error_event":
+			t.Errorf("stream ended without an error event (%s) at %v into the storm",
+				r.cause, r.start.Sub(stormStart).Round(time.Millisecond))
+		}
+	}
+	slices.Sort(lat)
+	pct := func(p float64) time.Duration {
+		if len(lat) == 0 {
+			return 0
+		}
+		return lat[min(len(lat)-1, int(p*float64(len(lat))))]
+	}
+	causes := make([]string, 0, len(byCause))
+	for k, v := range byCause {
+		causes = append(causes, fmt.Sprintf("%s=%d", k, v))
+	}
+	slices.Sort(causes)
+	t.Logf("chaos: sent %d, succeeded %d, streams ended by an error event %d; by cause: %s",
+		sent, okN, streamsErr, strings.Join(causes, " "))
+	t.Logf("chaos: non-streamed latency during the storm (%d requests): p50 %v p99 %v max %v",
+		len(lat), pct(0.5).Round(time.Millisecond), pct(0.99).Round(time.Millisecond), pct(1).Round(time.Millisecond))
+	t.Logf("chaos: relay dropped a killed agent after %v; relay restart took %v", detect, restartTo.Sub(restartFrom).Round(time.Millisecond))
+	if okN == 0 {
+		t.Fatal("no request succeeded")
+	}
+
+	// Leaks: everything stops once the cluster and the client are closed.
+	closed = true
+	if err := cl.Close(); err != nil {
+		t.Errorf("close: %v", err)
+	}
+	tr.CloseIdleConnections()
+	// QUIC connections close on timers: give them a generous while.
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		err := goleak.Find(ignore)
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("goroutines left after the storm: %v", err)
+			break
+		}
+		pause(50 * time.Millisecond)
+	}
+	var fdAfter int
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		fdAfter = countFDs(t)
+		if fdAfter <= fdBefore+chaosFDTolerance || time.Now().After(deadline) {
+			break
+		}
+		pause(20 * time.Millisecond)
+	}
+	t.Logf("chaos: descriptors before %d, after %d (tolerance %d)", fdBefore, fdAfter, chaosFDTolerance)
+	if fdAfter > fdBefore+chaosFDTolerance {
+		t.Errorf("descriptors grew from %d to %d", fdBefore, fdAfter)
+	}
+}
