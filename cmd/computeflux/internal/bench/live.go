@@ -211,7 +211,7 @@ func (r *liveRun) request(ctx context.Context, session string, msgs []message, m
 	rec.first = r.model(sent.Sub(r.start))
 	answer, err := r.do(ctx, session, msgs, maxTokens, sent, &rec)
 	if err != nil {
-		rec.failed = true
+		rec.failed, rec.why = true, errorCause(err)
 		r.failed.Add(1)
 	}
 	r.done.Add(1)
@@ -338,4 +338,13 @@ func (r *liveRun) progress(p scheduler.Policy, stop <-chan struct{}) {
 				time.Since(r.start).Round(time.Second), r.model(time.Since(r.start)).Round(time.Second))
 		}
 	}
+}
+
+// errorCause shortens an error to a cause worth counting.
+func errorCause(err error) string {
+	s := err.Error()
+	if len(s) > 120 {
+		s = s[:120] + "..."
+	}
+	return s
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"slices"
 	"strings"
 	"text/tabwriter"
@@ -18,6 +19,7 @@ type record struct {
 	completion  int
 	engine      int // index of the engine that served it; -1 when none
 	failed      bool
+	why         string        // why it failed
 	first, done time.Duration // from the run's start
 }
 
@@ -36,6 +38,8 @@ type Result struct {
 	// Requests counts requests sent; Errors those that did not complete.
 	Requests int `json:"requests"`
 	Errors   int `json:"errors"`
+	// ErrorCauses counts the errors by cause.
+	ErrorCauses map[string]int `json:"error_causes,omitempty"`
 	// HitRatio is cached over prompt tokens, from the engines' usage.
 	HitRatio     float64 `json:"hit_ratio"`
 	PromptTokens int64   `json:"prompt_tokens"`
@@ -67,6 +71,10 @@ func summarize(policy, scenario, mode string, recs []record, engines int) Result
 	for _, rc := range recs {
 		if rc.failed {
 			r.Errors++
+			if r.ErrorCauses == nil {
+				r.ErrorCauses = map[string]int{}
+			}
+			r.ErrorCauses[rc.why]++
 			continue
 		}
 		r.PromptTokens += int64(rc.prompt)
@@ -201,6 +209,14 @@ func (rp *Report) WriteTable(w io.Writer) error {
 	}
 	if err := tw.Flush(); err != nil {
 		return err
+	}
+	for _, r := range rp.Results {
+		if len(r.ErrorCauses) > 0 {
+			fmt.Fprintf(&b, "\n%s errors:", r.Policy)
+			for _, k := range slices.Sorted(maps.Keys(r.ErrorCauses)) {
+				fmt.Fprintf(&b, " %d× %s;", r.ErrorCauses[k], k)
+			}
+		}
 	}
 	b.WriteString("\nwall time per policy:")
 	for _, r := range rp.Results {

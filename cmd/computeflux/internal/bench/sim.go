@@ -275,7 +275,7 @@ func (r *simRun) act(a action) {
 			delete(r.calls, c.req.ID)
 			r.report(c, scheduler.Outcome{Err: errAgentGone, Latency: now.Sub(c.tried)})
 			if c.first {
-				r.fail(c) // the stream broke after it began: the client sees an error
+				r.fail(c, "stream broke: agent gone") // the client sees an error
 			} else {
 				r.pick(c) // the relay retries before the first byte
 			}
@@ -337,12 +337,13 @@ func (r *simRun) send(si int) {
 // pick places c (a first try or a retry) and submits it to its engine.
 func (r *simRun) pick(c *simCall) {
 	now := r.clock.t
+	why := "retries exhausted"
 	for c.attempts < r.cfg.MaxAttempts {
 		t0 := time.Now()
 		ch, err := c.att.Pick()
 		c.decision += time.Since(t0)
 		if err != nil {
-			r.fail(c)
+			r.fail(c, "no agent available")
 			return
 		}
 		c.attempts++
@@ -360,11 +361,12 @@ func (r *simRun) pick(c *simCall) {
 		if !errors.Is(err, simengine.ErrQueueFull) {
 			status = http.StatusBadRequest
 		}
+		why = err.Error()
 		if !r.report(c, scheduler.Outcome{Status: status}).Retryable() {
 			break
 		}
 	}
-	r.fail(c)
+	r.fail(c, why)
 }
 
 // report hands c's outcome to the scheduler, timing it.
@@ -376,8 +378,9 @@ func (r *simRun) report(c *simCall, o scheduler.Outcome) scheduler.Class {
 }
 
 // fail ends c as an error; a chat client gives up on the session.
-func (r *simRun) fail(c *simCall) {
+func (r *simRun) fail(c *simCall, why string) {
 	r.recs[c.rec].failed = true
+	r.recs[c.rec].why = why
 	r.decide = append(r.decide, c.decision)
 	if r.w.Chat {
 		r.sess[c.sess].done = true
