@@ -305,9 +305,11 @@ func natRules(kind NATKind, self, homes int) string {
 		}
 	}
 	for _, p := range peers {
-		fmt.Fprintf(&decl, "\tcounter to_%s { }\n\tcounter from_%s { }\n", p.name, p.name)
-		fmt.Fprintf(&count, "\t\toifname \"wan\" ip daddr %s counter name \"to_%s\"\n", p.ip, p.name)
-		fmt.Fprintf(&count, "\t\tiifname \"wan\" ip saddr %s counter name \"from_%s\"\n", p.ip, p.name)
+		for _, dir := range []struct{ name, match string }{{"to_", `oifname "wan" ip daddr`}, {"from_", `iifname "wan" ip saddr`}} {
+			fmt.Fprintf(&decl, "\tcounter %s%s { }\n\tcounter %s%s_data { }\n", dir.name, p.name, dir.name, p.name)
+			fmt.Fprintf(&count, "\t\t%s %s counter name \"%s%s\"\n", dir.match, p.ip, dir.name, p.name)
+			fmt.Fprintf(&count, "\t\t%s %s ip length >= %d counter name \"%s%s_data\"\n", dir.match, p.ip, DataPacketMin, dir.name, p.name)
+		}
 	}
 	return `table ip nat {
 	chain postrouting {
@@ -330,6 +332,12 @@ table ip filter {
 `
 }
 
+// DataPacketMin is the smallest IP packet the "_data" counters count (see
+// Lab.Counters). QUIC's own control packets (ACK, keep-alive PING) are
+// around 60 bytes on the wire; a memberlist probe or ack, carrying two peer
+// IDs, is well over 150.
+const DataPacketMin = 120
+
 // homeWANIP is home i's router address on the public segment.
 func homeWANIP(i int) string { return fmt.Sprintf("198.18.0.%d", 100+i) }
 
@@ -341,8 +349,9 @@ type Counter struct {
 
 // Counters returns what home i's router has forwarded so far, by direction
 // and peer: "to_relay", "from_relay", and "to_hJ", "from_hJ" for every other
-// home J. Packets to and from another home's WAN address take the direct
-// path. "from_" counts packets forwarded into the home, i.e. those that
+// home J; and the same with "_data" appended, counting only packets of at
+// least DataPacketMin bytes (payload, not transport chatter). Packets to and
+// from another home's WAN address take the direct path. "from_" counts packets forwarded into the home, i.e. those that
 // matched one of its NAT mappings (answers, or a punched path); unsolicited
 // packets end at the router and are not counted.
 func (l *Lab) Counters(i int) (map[string]Counter, error) {

@@ -211,6 +211,13 @@ func TestTopologyNAT(t *testing.T) {
 		if c0["to_h1"].Packets == 0 {
 			t.Errorf("home 0 -> home 1 not counted: %+v", c0["to_h1"])
 		}
+		// The probes are a few bytes: not data.
+		if c0["to_h1_data"].Packets != 0 || c0["to_relay_data"].Packets != 0 {
+			t.Errorf("small probes counted as data: %+v %+v", c0["to_h1_data"], c0["to_relay_data"])
+		}
+		if _, ok := c0["from_relay_data"]; !ok {
+			t.Errorf("no data counters: %v", c0)
+		}
 		// Unsolicited: dropped on input, never forwarded into home 1.
 		if c1["from_h0"].Packets != 0 {
 			t.Errorf("home 1 forwarded %d unsolicited packets from home 0", c1["from_h0"].Packets)

@@ -51,6 +51,7 @@ func AgentName(i int) string { return fmt.Sprintf("h%d", i) }
 type Features struct {
 	RelayPublicCIDR bool // relay --public-cidr
 	AgentPublicCIDR bool // agent --public-cidr
+	Gossip          bool // relay and agent take part in gossip (--no-gossip exists)
 }
 
 // Probe reads the features from the binary's help texts.
@@ -75,6 +76,7 @@ func Probe(bin string) (Features, error) {
 	return Features{
 		RelayPublicCIDR: strings.Contains(r, "-public-cidr"),
 		AgentPublicCIDR: strings.Contains(a, "-public-cidr"),
+		Gossip:          strings.Contains(r, "-no-gossip") && strings.Contains(a, "-no-gossip"),
 	}, nil
 }
 
@@ -305,6 +307,9 @@ func (c *Cluster) StartAgent(ctx context.Context, i int) error {
 	if _, err := p.Log.Wait(ctx, Msg("joined relay")); err != nil {
 		return fmt.Errorf("agent %s: %w\n%s", name, err, p.Log.Tail(20))
 	}
+	if l, err := p.Log.Wait(ctx, Contains("agent peer ID: ")); err == nil {
+		p.PeerID = strings.TrimSpace(l.Raw[strings.Index(l.Raw, "agent peer ID: ")+len("agent peer ID: "):])
+	}
 	return nil
 }
 
@@ -313,6 +318,7 @@ type Process struct {
 	Name    string
 	Log     *LogBook
 	Started time.Time
+	PeerID  string // agents: the peer ID the agent printed
 
 	proc    *netlab.Proc
 	file    *os.File

@@ -62,38 +62,95 @@ var (
 
 // newCluster starts a cluster for t, closed when t ends; on failure the
 // processes' logs are kept and their directory named.
-func newCluster(t *testing.T, homes ...netlab.NATKind) *Cluster {
+func newCluster(t *testing.T, homes ...netlab.NATKind) testCluster {
 	t.Helper()
-	bin := binary(t)
-	dir, err := os.MkdirTemp("", "natlab-cluster")
+	binary(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c, err := newClusterCtx(t, ctx, homes...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	t.Cleanup(c.close)
+	return c
+}
+
+// testCluster is a cluster with its test's clean-up.
+type testCluster struct {
+	*Cluster
+	close func()
+}
+
+// newClusterCtx starts a cluster; the caller calls close, which keeps the
+// logs if the test failed. Call binary(t) first, from the test goroutine.
+func newClusterCtx(t *testing.T, ctx context.Context, homes ...netlab.NATKind) (testCluster, error) {
+	bin := binPath
+	if b := os.Getenv("CF_NATLAB_BIN"); b != "" {
+		bin = b
+	}
+	dir, err := os.MkdirTemp("", "natlab-cluster")
+	if err != nil {
+		return testCluster{}, err
+	}
 	c, err := NewCluster(ctx, ClusterConfig{
 		Bin: bin, Dir: dir, Homes: homes, Prefix: os.Getenv("CF_NATLAB_PREFIX"),
 		Logf: func(string, ...any) {},
 		Env:  strings.Fields(os.Getenv("CF_NATLAB_ENV")),
 	})
 	if err != nil {
-		t.Fatalf("cluster (logs in %s): %v", dir, err)
+		return testCluster{}, fmt.Errorf("cluster (logs in %s): %w", dir, err)
 	}
 	t.Logf("cluster: %d homes, logs in %s, features %+v", len(homes), dir, c.Features)
-	t.Cleanup(func() {
+	return testCluster{c, func() {
 		c.Close()
 		if t.Failed() || os.Getenv("CF_NATLAB_KEEP_LOGS") != "" {
 			t.Logf("logs kept in %s", dir)
 			return
 		}
 		_ = os.RemoveAll(dir)
-	})
-	return c
+	}}, nil
+}
+
+// Known product issues, found by these scenarios and reported to the owners
+// of relay/ and agent/. With CF_NATLAB_STRICT set (scripts/natlab.sh sets
+// it) they fail the test like any other error; without it (go test in CI)
+// they are logged with a KNOWN prefix, so that CI stays green until they are
+// fixed, and the scenario line says KNOWN. Remove an entry once fixed.
+const (
+	// knownRelayCrash: after a relay crash, agents behind endpoint-independent
+	// NATs notice only when QUIC's idle timeout fires (30 to 45 s): their
+	// keep-alive PINGs are smaller than quic-go's minimum for answering with
+	// a stateless reset, and nothing else is sent to the relay.
+	knownRelayCrash = "relay-crash-detection"
+	// knownDirectGossip: two agents behind endpoint-independent NATs often
+	// keep gossiping through the relay. (1) The agent joins the gossip before
+	// its DCUtR service is ready (AgentNAT.WaitReady); a circuit opened in
+	// that window never gets a punch. (2) Gossip packet streams opened on the
+	// circuit before a punch succeeds stay on it after the upgrade.
+	knownDirectGossip = "direct-gossip"
+)
+
+// knownHit records on t that a known issue showed.
+var knownHit sync.Map // *testing.T -> bool
+
+// known fails t in strict mode, else logs the issue and marks t.
+func known(t *testing.T, issue, format string, args ...any) {
+	t.Helper()
+	msg := fmt.Sprintf(format, args...)
+	if os.Getenv("CF_NATLAB_STRICT") != "" {
+		t.Errorf("%s [%s]", msg, issue)
+		return
+	}
+	knownHit.Store(t, true)
+	t.Logf("KNOWN (%s): %s", issue, msg)
 }
 
 // report prints the scenario's one line for scripts/natlab.sh.
 func report(t *testing.T, name string, figures ...string) {
 	verdict := "PASS"
+	if _, ok := knownHit.Load(t); ok {
+		verdict = "KNOWN"
+	}
 	if t.Failed() {
 		verdict = "FAIL"
 	}
@@ -109,12 +166,13 @@ func msStr(d time.Duration) string { return fmt.Sprintf("%.0f", float64(d)/float
 // serve again after the relay restarts.
 func TestCluster(t *testing.T) {
 	eim, sym := netlab.EndpointIndependent, netlab.Symmetric
-	c := newCluster(t, eim, eim, sym)
+	c := newCluster(t, eim, eim, sym).Cluster
 	steps := []struct {
 		name string
 		run  func(*testing.T, *Cluster)
 	}{
 		{"completions-sticky", testCompletions},
+		{"gossip-path", testGossipPaths},
 		{"partition", testPartition},
 		{"relay-restart", func(t *testing.T, c *Cluster) { testRelayRestart(t, c, false) }},
 		{"relay-crash", func(t *testing.T, c *Cluster) { testRelayRestart(t, c, true) }},
@@ -125,6 +183,53 @@ func TestCluster(t *testing.T) {
 			break
 		}
 	}
+}
+
+// gossipWindow is how long a settled path is watched: three rounds of
+// probes (every 2 s, each member in turn) in a cluster of four members.
+const gossipWindow = 12 * time.Second
+
+// gossipSettle bounds the wait for a path to settle after both agents
+// joined the gossip: every member has probed every other by then, and a
+// failing punch (three attempts of 3 s) has given up.
+const gossipSettle = 15 * time.Second
+
+// testGossipPaths: in a cluster with homes eim, eim, symmetric, the two
+// endpoint-independent homes gossip directly, and each of them gossips with
+// the symmetric home through the relay.
+func testGossipPaths(t *testing.T, c *Cluster) {
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	pairs := []struct {
+		a, b   int
+		direct bool
+	}{{0, 1, true}, {0, 2, false}, {1, 2, false}}
+	figures := make([]string, len(pairs))
+	var wg sync.WaitGroup
+	for i, pair := range pairs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := c.ObserveGossipPath(ctx, pair.a, pair.b, 3, gossipSettle, gossipWindow)
+			if err != nil {
+				t.Errorf("h%d-h%d: %v", pair.a, pair.b, err)
+				figures[i] = fmt.Sprintf("h%d-h%d=error", pair.a, pair.b)
+				return
+			}
+			if err := r.Check(pair.direct); err != nil {
+				if pair.direct {
+					known(t, knownDirectGossip, "h%d-h%d (%s-%s): %v", pair.a, pair.b, c.Lab.Homes[pair.a].Kind, c.Lab.Homes[pair.b].Kind, err)
+				} else {
+					t.Errorf("h%d-h%d (%s-%s): %v", pair.a, pair.b, c.Lab.Homes[pair.a].Kind, c.Lab.Homes[pair.b].Kind, err)
+				}
+			}
+			t.Logf("h%d-h%d: %+v", pair.a, pair.b, r)
+			figures[i] = fmt.Sprintf("h%d-h%d=%s,upgrade_ms=%.0f,punches=%d/%d,direct_data=%d/%d,probe_failures=%d",
+				pair.a, pair.b, r.Path(), r.UpgradeMS, r.PunchesOK, r.Punches, r.DataAB, r.DataBA, r.ProbeFailures)
+		}()
+	}
+	wg.Wait()
+	report(t, "gossip-path-cluster", figures...)
 }
 
 // testCompletions: every home serves its own model, streamed and not, and
@@ -296,6 +401,12 @@ func testPartition(t *testing.T, c *Cluster) {
 		t.Errorf("relay still routes to the cut home after %v: %v", time.Since(tCut).Round(time.Millisecond), err)
 	} else {
 		removal = time.Since(tCut)
+		// The home preset's bound: a probe round and its timeout to notice
+		// (2 s + 1 s), then at most the longest suspicion (4 x 8 s), plus
+		// the relay's poll.
+		if bound := 40 * time.Second; c.Features.Gossip && removal > bound {
+			t.Errorf("relay stopped routing to the cut home after %v, over the gossip bound %v", removal.Round(time.Millisecond), bound)
+		}
 	}
 	// What told the relay: its log lines about the agent since the cut.
 	var why []string
@@ -405,20 +516,136 @@ func testRelayRestart(t *testing.T, c *Cluster, crash bool) {
 		}
 		serve = max(serve, time.Since(tUp))
 	}
-	// The issue's bound. After a crash, agents behind endpoint-independent
-	// NATs only notice when QUIC's idle timeout (30 s) fires: their keep-alive
-	// PINGs are too small for the new relay to answer with a stateless reset.
-	// Until the agent detects a dead relay sooner, the crash figure is
-	// reported, and asserted only with CF_NATLAB_STRICT_CRASH set.
+	// The issue's bound (see knownRelayCrash for crashes).
 	within := serve <= 30*time.Second
-	if !within && (!crash || os.Getenv("CF_NATLAB_STRICT_CRASH") != "") {
+	switch {
+	case within:
+	case crash:
+		known(t, knownRelayCrash, "agents served again %v after a relay crash, want within 30s", serve.Round(time.Millisecond))
+	default:
 		t.Errorf("agents served again %v after the relay came back, want within 30s", serve.Round(time.Millisecond))
-	} else if !within {
-		t.Logf("KNOWN: agents served again %v after a relay crash, over the 30s bound", serve.Round(time.Millisecond))
 	}
 	report(t, name,
 		"stop_ms="+msStr(tDown.Sub(tStop)), "start_ms="+msStr(tUp.Sub(tDown)),
 		"rejoin_ms="+msStr(rejoin), "serve_ms="+msStr(serve),
 		"total_ms="+msStr(tUp.Sub(tStop)+serve),
 		fmt.Sprintf("within_30s=%v", within))
+}
+
+// TestGossipPath runs CF_NATLAB_RUNS fresh clusters of two homes per NAT
+// pairing (default 1; scripts/natlab.sh asks for 20) and checks which path
+// the agents' gossip takes: direct between endpoint-independent NATs,
+// through the relay's circuit with a symmetric NAT on one side.
+func TestGossipPath(t *testing.T) {
+	binary(t)
+	if os.Getenv("CF_NATLAB_RUNS") == "" {
+		t.Skip("TestCluster covers each pairing once; set CF_NATLAB_RUNS for repeated runs (scripts/natlab.sh)")
+	}
+	n := runs(t)
+	eim, sym := netlab.EndpointIndependent, netlab.Symmetric
+	for _, tc := range []struct {
+		a, b       netlab.NATKind
+		wantDirect bool
+		// parallel is how many clusters run at once: one for the direct
+		// pairing, whose timings matter; the relayed one mostly waits.
+		parallel int
+	}{{eim, eim, true, 1}, {eim, sym, false, 4}} {
+		name := "gossip-path-" + tc.a.String() + "-" + tc.b.String()
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			var (
+				mu                    sync.Mutex // guards the following
+				ok                    = true
+				direct, pathOK        int
+				upgrade, joinToDirect []float64
+				punches, punchesOK    int
+				dataAB, dataBA, errs  int
+				failures              int
+			)
+			record := func(i int, r GossipPath, err error) {
+				mu.Lock()
+				defer mu.Unlock()
+				if err != nil {
+					ok = false
+					errs++
+					t.Errorf("run %d: %v", i, err)
+					return
+				}
+				if err := r.Check(tc.wantDirect); err != nil {
+					if tc.wantDirect {
+						known(t, knownDirectGossip, "run %d: %v (%+v)", i, err, r)
+					} else {
+						ok = false
+						t.Errorf("run %d: %v (%+v)", i, err, r)
+					}
+				} else {
+					pathOK++
+				}
+				t.Logf("run %d: %+v", i, r)
+				if r.Direct {
+					direct++
+					upgrade = append(upgrade, r.UpgradeMS)
+					joinToDirect = append(joinToDirect, float64(r.JoinToDirect.Microseconds())/1000)
+				}
+				punches += r.Punches
+				punchesOK += r.PunchesOK
+				if r.DataAB > 0 {
+					dataAB++
+				}
+				if r.DataBA > 0 {
+					dataBA++
+				}
+				failures += r.ProbeFailures
+			}
+			sem := make(chan struct{}, tc.parallel)
+			var wg sync.WaitGroup
+			for i := 0; i < n; i++ {
+				sem <- struct{}{}
+				wg.Add(1)
+				go func() {
+					defer func() { <-sem; wg.Done() }()
+					ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+					defer cancel()
+					c, err := newClusterCtx(t, ctx, tc.a, tc.b)
+					if err != nil {
+						record(i, GossipPath{}, err)
+						return
+					}
+					r, err := c.ObserveGossipPath(ctx, 0, 1, 3, gossipSettle, gossipWindow)
+					record(i, r, err)
+					c.close()
+				}()
+			}
+			wg.Wait()
+			verdict := "FAIL"
+			if _, hit := knownHit.Load(t); ok && !t.Failed() {
+				verdict = "PASS"
+				if hit {
+					verdict = "KNOWN"
+				}
+			}
+			fmt.Println(strings.Join([]string{"SCENARIO", name, verdict,
+				fmt.Sprintf("runs=%d", n),
+				fmt.Sprintf("path_ok=%d/%d", pathOK, n),
+				fmt.Sprintf("direct=%d/%d", direct, n),
+				fmt.Sprintf("upgrade_ms_p50=%.1f", Median(upgrade)),
+				fmt.Sprintf("upgrade_ms_range=%s", minMax(upgrade)),
+				fmt.Sprintf("gossip_join_to_direct_ms_p50=%.1f", Median(joinToDirect)),
+				fmt.Sprintf("punches_ok=%d/%d", punchesOK, punches),
+				fmt.Sprintf("runs_with_direct_gossip_ab=%d/%d", dataAB, n),
+				fmt.Sprintf("runs_with_direct_gossip_ba=%d/%d", dataBA, n),
+				fmt.Sprintf("probe_failures=%d", failures),
+				fmt.Sprintf("errors=%d", errs),
+			}, " "))
+		})
+	}
+}
+
+func minMax(xs []float64) string {
+	if len(xs) == 0 {
+		return "-"
+	}
+	s := slices.Clone(xs)
+	sort.Float64s(s)
+	return fmt.Sprintf("%.0f..%.0f", s[0], s[len(s)-1])
 }
