@@ -315,3 +315,50 @@ func TestChaosUnderLoad(t *testing.T) {
 		t.Errorf("descriptors grew from %d to %d", fdBefore, fdAfter)
 	}
 }
+
+// TestDisconnectCancelsEngineOverQUIC measures, through the real path
+// (client, relay, QUIC, agent, simulated engine), how long after a client
+// leaves a stream the engine cancels the request. It asserts only that the
+// cancel arrives (within a generous deadline) and reports the time.
+func TestDisconnectCancelsEngineOverQUIC(t *testing.T) {
+	ctx := context.Background()
+	cl, err := relaytest.Start(ctx, relaytest.Config{Engines: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	eng := cl.Engine(0).Server
+	var took []time.Duration
+	for i := 0; i < 5; i++ {
+		before := eng.Stats().Cancelled
+		rctx, cancel := context.WithCancel(ctx)
+		body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"long story %d"}],"max_tokens":2000,"stream":true}`, simengine.DefaultModel, i)
+		req, _ := http.NewRequestWithContext(rctx, "POST", cl.URL()+"/v1/chat/completions", strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer "+cl.APIKey())
+		resp, err := (&http.Client{Transport: tr}).Do(req)
+		if err != nil {
+			cancel()
+			t.Fatal(err)
+		}
+		br := bufio.NewReader(resp.Body)
+		if line, err := br.ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: ") {
+			cancel()
+			t.Fatalf("first event %q: %v", line, err)
+		}
+		left := time.Now()
+		cancel()
+		resp.Body.Close()
+		deadline := left.Add(20 * time.Second)
+		for eng.Stats().Cancelled == before {
+			if time.Now().After(deadline) {
+				t.Fatalf("the engine never saw request %d cancelled", i)
+			}
+			<-time.After(time.Millisecond)
+		}
+		took = append(took, time.Since(left))
+	}
+	slices.Sort(took)
+	t.Logf("client disconnect to engine cancel over QUIC: median %v, max %v (5 runs)", took[2].Round(time.Microsecond), took[4].Round(time.Microsecond))
+}
