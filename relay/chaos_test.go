@@ -232,6 +232,7 @@ func TestChaosUnderLoad(t *testing.T) {
 	byCause := map[string]int{}
 	var lat []time.Duration
 	var sent, okN, streamsErr int
+	var cutMax time.Duration // longest stream that ended with an error event
 	for _, r := range results {
 		sent++
 		key := r.cause
@@ -247,6 +248,7 @@ func TestChaosUnderLoad(t *testing.T) {
 		}
 		if r.stream && r.cause == "error_event" {
 			streamsErr++
+			cutMax = max(cutMax, r.end.Sub(r.start))
 		}
 		if !r.stream && r.cause == "ok" && !r.start.Before(stormStart) && !r.end.After(stormEnd) {
 			lat = append(lat, r.end.Sub(r.start))
@@ -279,7 +281,8 @@ func TestChaosUnderLoad(t *testing.T) {
 		sent, okN, streamsErr, strings.Join(causes, " "))
 	t.Logf("chaos: non-streamed latency during the storm (%d requests): p50 %v p99 %v max %v",
 		len(lat), pct(0.5).Round(time.Millisecond), pct(0.99).Round(time.Millisecond), pct(1).Round(time.Millisecond))
-	t.Logf("chaos: relay dropped a killed agent after %v; relay restart took %v", detect, restartTo.Sub(restartFrom).Round(time.Millisecond))
+	t.Logf("chaos: relay dropped a killed agent after %v; relay restart took %v; longest stream ended by an error event: %v",
+		detect, restartTo.Sub(restartFrom).Round(time.Millisecond), cutMax.Round(time.Millisecond))
 	if okN == 0 {
 		t.Fatal("no request succeeded")
 	}
