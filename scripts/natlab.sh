@@ -111,7 +111,7 @@ fi
 set +e
 CF_NATLAB_RUNS=$runs CF_NATLAB_PREFIX=$prefix CF_NATLAB_BIN="$work/computeflux" \
 	CF_NATLAB_KEEP_LOGS=${NATLAB_KEEP_LOGS:-} CF_NATLAB_STRICT=1 \
-	setsid "$work/scenario.test" -test.run "^(TestHolePunch|TestGossipPath|TestCluster)\$/$filter" \
+	setsid "$work/scenario.test" -test.run "^(TestHolePunch|TestGossipPath|TestCluster)\$/($filter)" \
 	-test.v -test.timeout 60m \
 	>"$work/out" 2>>"$log" &
 testpid=$!
