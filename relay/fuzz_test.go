@@ -28,6 +28,7 @@ var sseSeeds = []string{
 	"data: not json\n\n",
 	"error: {\"code\":500}\n\n",
 	"\r\r\rdata: {}\r\r",
+	"data:\n\ndata: \n\n: ping\n\ndata: [DONE]\n\n", // empty keep-alives
 }
 
 // checkEvents fails t unless out is a sequence of whole, well-formed

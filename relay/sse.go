@@ -109,11 +109,16 @@ func (f *sseFramer) endLine(dst []byte) ([]byte, error) {
 		if len(f.ev) == 0 {
 			return dst, nil // blank lines between events carry nothing
 		}
-		if f.hasData && !validData(f.data) {
+		switch {
+		case f.hasData && len(bytes.TrimSpace(f.data)) == 0:
+			// An empty data event (a keep-alive of some servers) would
+			// make OpenAI's SDKs fail to parse it: drop it.
+		case f.hasData && !validData(f.data):
 			return dst, f.fail()
+		default:
+			dst = append(dst, f.ev...)
+			dst = append(dst, '\n')
 		}
-		dst = append(dst, f.ev...)
-		dst = append(dst, '\n')
 		f.ev, f.data, f.hasData = f.ev[:0], f.data[:0], false
 		return dst, nil
 	}
