@@ -581,9 +581,17 @@ func (l *Lab) Close() error {
 	nss := append([]string(nil), l.nss...)
 	l.mu.Unlock()
 
+	// All at once: a process may take its whole grace to stop (an agent
+	// draining), and an interrupted run should not wait for each in turn.
+	var wg sync.WaitGroup
 	for _, p := range procs {
-		p.Stop(2 * time.Second)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p.Stop(2 * time.Second)
+		}()
 	}
+	wg.Wait()
 	var errs []error
 	for i := len(nss) - 1; i >= 0; i-- {
 		if err := removeNS(nss[i]); err != nil {

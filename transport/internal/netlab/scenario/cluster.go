@@ -168,17 +168,25 @@ func NewCluster(ctx context.Context, cfg ClusterConfig) (c *Cluster, err error) 
 // removes the lab.
 func (c *Cluster) Close() {
 	c.client.CloseIdleConnections()
-	for _, a := range c.Agents {
-		if a != nil {
-			a.Stop(3 * time.Second)
+	stopAll := func(ps []*Process) {
+		var wg sync.WaitGroup
+		for _, p := range ps {
+			if p == nil {
+				continue
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				p.Stop(3 * time.Second)
+			}()
 		}
+		wg.Wait()
 	}
+	stopAll(c.Agents)
 	c.mu.Lock()
 	procs := slices.Clone(c.procs)
 	c.mu.Unlock()
-	for _, p := range procs {
-		p.Stop(3 * time.Second)
-	}
+	stopAll(procs)
 	_ = c.Lab.Close()
 }
 
