@@ -255,6 +255,13 @@ type Engine struct {
 
 	pending []Event
 	stats   Stats
+
+	// Scratch reused across requests so that the hot path does not
+	// allocate: hint slices of finished requests, and the chain of a
+	// prompt followed by its answer.
+	atFree  [][]int32
+	hashBuf []BlockHash
+	tokBuf  []Token
 }
 
 // NewEngine returns an engine with the given configuration, its zero fields
@@ -341,6 +348,7 @@ func (e *Engine) Cancel(now time.Time, id uint64) bool {
 		}
 		done := len(s.req.Tokens) - int(math.Ceil(s.remaining))
 		e.cache.touchAt(s.hashes[:done/bs], s.at[:done/bs])
+		e.freeHints(s)
 		e.running--
 	case stateDecode:
 		heap.Remove(&e.decoding, s.heapIdx)
@@ -450,10 +458,7 @@ func (e *Engine) Stats() Stats {
 func (e *Engine) admit(s *seq) {
 	n := len(s.req.Tokens)
 	maxHit := (n - 1) / e.cfg.BlockSize
-	s.at = make([]int32, len(s.hashes))
-	for i := range s.at {
-		s.at[i] = -1
-	}
+	s.at = e.newHints(len(s.hashes))
 	hit := e.cache.lookupInto(s.hashes[:min(maxHit, len(s.hashes))], s.at)
 	e.cache.touchAt(s.hashes[:hit], s.at[:hit])
 	s.cached = hit * e.cfg.BlockSize
@@ -603,14 +608,48 @@ func (e *Engine) finish(s *seq) {
 	e.fill()
 }
 
-// touchAnswer caches the full blocks of s's prompt followed by out.
+// touchAnswer caches the full blocks of s's prompt followed by out, and
+// gives s's hints back for reuse.
 func (e *Engine) touchAnswer(s *seq, out []Token) {
-	full := e.extendHashes(s, out)
-	at := make([]int32, len(full))
-	for i := copy(at, s.at); i < len(at); i++ {
+	e.hashBuf = e.extendHashes(e.hashBuf[:0], s, out)
+	at := s.at[:len(s.hashes)]
+	for range e.hashBuf {
+		at = append(at, -1)
+	}
+	s.at = at
+	e.cache.touchChain(s.hashes, e.hashBuf, at)
+	e.freeHints(s)
+}
+
+// maxFreeHints bounds the hint slices an engine keeps for reuse.
+const maxFreeHints = 64
+
+// newHints returns a slice of n hints, all -1 (no node known).
+func (e *Engine) newHints(n int) []int32 {
+	var at []int32
+	if k := len(e.atFree); k > 0 {
+		at = e.atFree[k-1]
+		e.atFree[k-1] = nil
+		e.atFree = e.atFree[:k-1]
+	}
+	if cap(at) < n {
+		// Room for the answer's blocks too, and for a longer prompt
+		// next time (a conversation grows turn by turn).
+		at = make([]int32, n, n+n/2+16)
+	}
+	at = at[:n]
+	for i := range at {
 		at[i] = -1
 	}
-	e.cache.touchAt(full, at)
+	return at
+}
+
+// freeHints takes s's hint slice back for reuse.
+func (e *Engine) freeHints(s *seq) {
+	if s.at != nil && len(e.atFree) < maxFreeHints {
+		e.atFree = append(e.atFree, s.at[:0])
+	}
+	s.at = nil
 }
 
 // generated returns the tokens s has produced so far.
@@ -637,26 +676,25 @@ func (e *Engine) requestKey(r *Request, hashes []BlockHash) uint64 {
 	return uint64(chainHash(parent, tail)) ^ uint64(len(r.Tokens))
 }
 
-// extendHashes returns the hashes of the full blocks of s's prompt followed
-// by out, without copying the prompt or writing into s.hashes.
-func (e *Engine) extendHashes(s *seq, out []Token) []BlockHash {
+// extendHashes appends to dst the hashes of the full blocks that out adds
+// to s's prompt, without copying the prompt or writing into s.hashes.
+func (e *Engine) extendHashes(dst []BlockHash, s *seq, out []Token) []BlockHash {
 	bs := e.cfg.BlockSize
-	hs := s.hashes[:len(s.hashes):len(s.hashes)]
-	tail := s.req.Tokens[len(hs)*bs:]
+	tail := s.req.Tokens[len(s.hashes)*bs:]
 	if len(tail)+len(out) < bs {
-		return hs
+		return dst
 	}
-	buf := make([]Token, 0, len(tail)+len(out))
-	buf = append(append(buf, tail...), out...)
+	buf := append(append(e.tokBuf[:0], tail...), out...)
+	e.tokBuf = buf
 	parent := rootHash
-	if len(hs) > 0 {
-		parent = hs[len(hs)-1]
+	if len(s.hashes) > 0 {
+		parent = s.hashes[len(s.hashes)-1]
 	}
 	for i := 0; i+bs <= len(buf); i += bs {
 		parent = chainHash(parent, buf[i:i+bs])
-		hs = append(hs, parent)
+		dst = append(dst, parent)
 	}
-	return hs
+	return dst
 }
 
 // decodeHeap orders decoding sequences by the decode counter at which they
