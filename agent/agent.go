@@ -162,6 +162,7 @@ type Agent struct {
 	nat      atomic.Pointer[transport.AgentNAT] // set by Run
 	gossip   *transport.Gossip                  // set by Run before any goroutine reads it; nil when off
 	rejoin   chan struct{}                      // asks the gossip loop to join through the relay
+	dialSem  chan struct{}                      // bounds predial's dials in flight
 	host     host.Host                          // guarded by mu; set while Run runs
 	draining atomic.Bool
 
@@ -218,6 +219,7 @@ func New(cfg Config) (*Agent, error) {
 		client:   &http.Client{Transport: cfg.UpstreamTransport},
 		changed:  make(chan struct{}, 1),
 		rejoin:   make(chan struct{}, 1),
+		dialSem:  make(chan struct{}, predialLimit),
 	}
 	a.proxy = a.newProxy()
 	return a, nil

@@ -8,6 +8,7 @@ import (
 
 	"github.com/hashicorp/memberlist"
 	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	ma "github.com/multiformats/go-multiaddr"
 
@@ -100,6 +101,11 @@ func (a *Agent) startGossip(ctx context.Context, h host.Host, wg *sync.WaitGroup
 		// punching succeeds, and later streams take it.
 		Resolve:    func(p peer.ID) []ma.Multiaddr { return transport.CircuitAddrs(relay, p) },
 		MetaSource: a.gossipMeta,
+		OnEvent: func(ev transport.GossipEvent) {
+			if ev.Type == transport.GossipAlive && ev.Peer != relay.ID {
+				a.predial(ctx, h, ev.Peer, wg)
+			}
+		},
 	})
 	if err != nil {
 		return err
@@ -123,6 +129,37 @@ func (a *Agent) startGossip(ctx context.Context, h host.Host, wg *sync.WaitGroup
 	return nil
 }
 
+// predialLimit bounds the circuit dials to new members in flight.
+const predialLimit = 8
+
+// predial opens a connection to a new member through the relay's circuit
+// in the background, so that the first probe does not pay for the dial
+// (circuit hop, handshake) and time out: an agent would otherwise be
+// suspected by every member that meets it. Called from gossip's event
+// goroutine, it never blocks; gossip is shut down before wg is waited for,
+// so no Add races the Wait.
+func (a *Agent) predial(ctx context.Context, h host.Host, p peer.ID, wg *sync.WaitGroup) {
+	if c := h.Network().Connectedness(p); c == network.Connected || c == network.Limited {
+		return
+	}
+	select {
+	case a.dialSem <- struct{}{}:
+	default:
+		return // enough dials in flight; the transport dials on demand
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer func() { <-a.dialSem }()
+		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		dctx = network.WithAllowLimitedConn(dctx, "gossip")
+		if err := h.Connect(dctx, peer.AddrInfo{ID: p, Addrs: transport.CircuitAddrs(a.relay, p)}); err != nil {
+			a.log.Debug().Err(err).Stringer("peer", p).Msg("dial a new member through the relay")
+		}
+	}()
+}
+
 // gossipRejoin asks the gossip loop to join through the relay.
 func (a *Agent) gossipRejoin() {
 	select {
@@ -132,9 +169,10 @@ func (a *Agent) gossipRejoin() {
 }
 
 // gossipJoinLoop joins the gossip through the relay whenever asked (after
-// each registration), retrying a few times with a growing pause: the relay
-// admits us to gossip only once the registration is in, which is before
-// Join returns, but its gossip may be busy or restarting.
+// each registration), retrying with a growing pause (capped at 30 s) until
+// it succeeds: the relay admits us to gossip once the registration is in,
+// which is before Join returns, but its gossip may be busy or restarting,
+// and until we are in, the relay knows us by the registration alone.
 func (a *Agent) gossipJoinLoop(ctx context.Context, g *transport.Gossip) {
 	for {
 		select {
@@ -148,22 +186,24 @@ func (a *Agent) gossipJoinLoop(ctx context.Context, g *transport.Gossip) {
 			start := time.Now()
 			n, err := g.Join(a.relay.ID)
 			if err == nil && n > 0 {
-				a.log.Info().Int("members", g.NumMembers()).Dur("took", time.Since(start)).Msg("joined the gossip")
+				a.log.Info().Int("members", g.NumMembers()).Dur("took", time.Since(start)).Int("attempt", attempt).Msg("joined the gossip")
 				break
 			}
 			if ctx.Err() != nil {
 				return
 			}
 			if attempt == 5 {
-				a.log.Warn().Err(err).Msg("could not join the relay's gossip; the relay routes on the registration alone")
-				break
+				a.log.Warn().Err(err).Msg("cannot join the relay's gossip yet; the relay routes on the registration alone meanwhile; retrying")
 			}
 			select {
 			case <-ctx.Done():
 				return
+			case <-a.rejoin:
+				// A new registration: start over with it.
+				pause = 250 * time.Millisecond
 			case <-time.After(pause):
+				pause = min(2*pause, 30*time.Second)
 			}
-			pause *= 2
 		}
 	}
 }

@@ -101,6 +101,27 @@ func healthFromMeta(m transport.NodeMeta, suspect bool) scheduler.Health {
 	}
 }
 
+// leaveGrace is how long a peer whose registration ended stays admitted to
+// gossip: an agent that stops sends its gossip leave just before it closes
+// its registration, and the two travel on different streams.
+const leaveGrace = 10 * time.Second
+
+// GossipAdmitted reports whether peer p may gossip with the relay: it holds
+// a registration, or its registration ended less than leaveGrace ago.
+func (g *Registry) GossipAdmitted(p peer.ID) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.byPeer[p]; ok {
+		return true
+	}
+	at, ok := g.leftAt[p]
+	if ok && time.Since(at) >= leaveGrace {
+		delete(g.leftAt, p)
+		ok = false
+	}
+	return ok
+}
+
 // gossipHealthLocked is the health of a peer that (re)joins: gossip's load
 // if gossip knows it, else prev; never suspect. Callers hold g.mu.
 func (g *Registry) gossipHealthLocked(p peer.ID, prev scheduler.Health) scheduler.Health {
@@ -293,7 +314,7 @@ func (r *Relay) startGossip() error {
 		Logger: r.cfg.Logger,
 		Preset: gc.Preset,
 		Tune:   gc.Tune,
-		Admit:  func(p peer.ID) bool { return rg.relays[p] || r.reg.IsJoined(p) },
+		Admit:  func(p peer.ID) bool { return rg.relays[p] || r.reg.GossipAdmitted(p) },
 		MetaSource: func() transport.NodeMeta {
 			return transport.NodeMeta{Role: transport.NodeRoleRelay, Draining: r.draining.Load()}
 		},

@@ -206,7 +206,20 @@ func TestAdmittedMidJoin(t *testing.T) {
 	if got := r.reg.overdue(now.Add(time.Hour)); len(got) != 0 {
 		t.Errorf("a joined peer is overdue: %v", got)
 	}
-	if !r.reg.Admitted(p) || !r.reg.IsJoined(p) {
+	if !r.reg.Admitted(p) || !r.reg.IsJoined(p) || !r.reg.GossipAdmitted(p) {
 		t.Error("a joined peer is not admitted")
+	}
+	// After its registration ends, a peer stays admitted to gossip for a
+	// moment (its leave may trail the end of the join stream), not longer.
+	r.reg.Left(p)
+	if r.reg.IsJoined(p) || !r.reg.GossipAdmitted(p) {
+		t.Error("a peer that just left is not admitted to gossip for its leave")
+	}
+	r.reg.overdue(time.Now().Add(leaveGrace))
+	if r.reg.GossipAdmitted(p) {
+		t.Error("a peer that left long ago is still admitted to gossip")
+	}
+	if r.reg.GossipAdmitted(q) {
+		t.Error("a peer that never joined is admitted to gossip")
 	}
 }

@@ -43,6 +43,8 @@ type Registry struct {
 	pending map[peer.ID]time.Time
 	// members is gossip's view of every member, joined or not (gossip.go).
 	members map[peer.ID]*gossipPeer
+	// leftAt holds when recent registrations ended (see GossipAdmitted).
+	leftAt map[peer.ID]time.Time
 }
 
 // AdmitGrace is how long a peer connected to the relay but not joined may
@@ -87,6 +89,7 @@ func newRegistry(s *scheduler.Scheduler, log zerolog.Logger) *Registry {
 		byPeer:  make(map[peer.ID]*entry),
 		pending: make(map[peer.ID]time.Time),
 		members: make(map[peer.ID]*gossipPeer),
+		leftAt:  make(map[peer.ID]time.Time),
 	}
 }
 
@@ -133,10 +136,15 @@ func (g *Registry) disconnected(p peer.ID) {
 }
 
 // overdue returns the peers connected for AdmitGrace or longer without
-// joining, and forgets them.
+// joining, and forgets them (and registrations that ended long ago).
 func (g *Registry) overdue(now time.Time) []peer.ID {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	for p, at := range g.leftAt {
+		if now.Sub(at) >= leaveGrace {
+			delete(g.leftAt, p)
+		}
+	}
 	var out []peer.ID
 	for p, since := range g.pending {
 		if now.Sub(since) >= AdmitGrace {
@@ -221,6 +229,7 @@ func (g *Registry) Left(p peer.ID) {
 	e, ok := g.byPeer[p]
 	if ok {
 		delete(g.byPeer, p)
+		g.leftAt[p] = time.Now()
 		if g.byName[e.name] == e {
 			delete(g.byName, e.name)
 			g.sched.Remove(e.name)
