@@ -208,28 +208,21 @@ func (a *Agent) gossipJoinLoop(ctx context.Context, g *transport.Gossip) {
 	}
 }
 
-// waitReservation waits (up to limit) until the agent holds a reservation
-// at the relay. Other agents reach us through the relay's circuit, which
-// needs it: members that learn of us before cannot probe us and would
-// suspect us for nothing.
+// waitReservation waits (up to limit) until the agent can be reached and
+// punched through: it holds a reservation at the relay (other agents reach
+// us through the relay's circuit; members that learn of us before cannot
+// probe us and would suspect us for nothing) and has registered the
+// hole-punch protocol (the member that receives our relayed connection
+// starts the punch once, and gives up if we do not speak it yet).
 func (a *Agent) waitReservation(ctx context.Context, limit time.Duration) {
 	nat := a.NAT()
 	if nat == nil {
 		return
 	}
-	deadline := time.NewTimer(limit)
-	defer deadline.Stop()
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for nat.Stats().Reservations <= 0 {
-		select {
-		case <-ctx.Done():
-			return
-		case <-deadline.C:
-			a.log.Warn().Dur("waited", limit).Msg("no relay reservation yet; joining the gossip anyway (other agents cannot reach us until there is one)")
-			return
-		case <-tick.C:
-		}
+	wctx, cancel := context.WithTimeout(ctx, limit)
+	defer cancel()
+	if nat.WaitReady(wctx) != nil && ctx.Err() == nil {
+		a.log.Warn().Dur("waited", limit).Bool("reservation", nat.Stats().Reservations > 0).Msg("not ready for hole punching yet; joining the gossip anyway (other agents may reach us only through the relay)")
 	}
 }
 
