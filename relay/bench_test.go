@@ -56,11 +56,12 @@ func benchPaths(b *testing.B, kind string, agents int) (engineURL, relayURL stri
 	switch kind {
 	case "quic":
 		rl := startRelayLogger(b, zerolog.New(io.Discard))
+		names := make([]string, len(engines))
 		for i, e := range engines {
-			startRealAgent(b, rl, string(rune('a'+i)), e)
+			names[i] = string(rune('a' + i))
+			startRealAgent(b, rl, names[i], e)
 		}
-		c := newClient(b, rl.url)
-		waitFor(b, "agents routable", func() bool { return len(c.models()) == 1 })
+		waitAgents(b, rl, names...)
 		return engines[0].srv.URL, rl.url
 	case "http":
 		tr := &http.Transport{MaxIdleConnsPerHost: 256}

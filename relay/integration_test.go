@@ -180,6 +180,27 @@ func waitFor(t testing.TB, what string, cond func() bool) {
 	}
 }
 
+// waitAgents waits until each named agent is joined with its models and is
+// neither draining nor dead, so requests may be routed to it. /v1/models
+// alone does not show that when several agents serve the same models: it
+// lists a model as soon as one of them has joined.
+func waitAgents(t testing.TB, rl *itRelay, names ...string) {
+	t.Helper()
+	waitFor(t, "agents "+strings.Join(names, ", ")+" routable", func() bool {
+		joined := map[string]relay.AgentInfo{}
+		for _, a := range rl.r.Registry().Agents() {
+			joined[a.Name] = a
+		}
+		for _, n := range names {
+			a, ok := joined[n]
+			if !ok || len(a.Models) == 0 || a.Draining || a.Dead || a.Health.Draining {
+				return false
+			}
+		}
+		return true
+	})
+}
+
 type client struct {
 	t   testing.TB
 	url string
@@ -250,7 +271,7 @@ func TestIntegrationRouting(t *testing.T) {
 	}
 	d := startAgent(t, rl, "d", engines["d"])
 	c := newClient(t, rl.url)
-	waitFor(t, "4 agents routable", func() bool { return len(c.models()) == 4 })
+	waitAgents(t, rl, "a", "b", "c", "d")
 
 	t.Run("sessions spread", func(t *testing.T) {
 		seen := map[string]int{}
@@ -503,7 +524,9 @@ func TestIntegrationErrors(t *testing.T) {
 	startRealAgent(t, rl, "good", good)
 	ab := startAgent(t, rl, "bad", bad) // a bare agent, so the test can send a draining update
 	c := newClient(t, rl.url)
-	waitFor(t, "agents routable", func() bool { return len(c.models()) == 2 })
+	// Both agents: m1 and m-bad are listed as soon as bad alone has joined,
+	// and m1 then has nowhere to go but bad.
+	waitAgents(t, rl, "good", "bad")
 
 	status := func(body string, hdr ...string) int {
 		resp, err := c.post("/v1/chat/completions", body, hdr...)
