@@ -704,7 +704,8 @@ func TestClientThatStopsReadingCancelsAgent(t *testing.T) {
 	tb.engines["a"].set(func(w http.ResponseWriter, r *http.Request, _ []byte) {
 		defer close(cancelled)
 		w.Header().Set("Content-Type", "text/event-stream")
-		ev := "data: " + strings.Repeat("x", 1018) + "\n\n"
+		// Well-formed chunks, so the stream fails only on the client side.
+		ev := `data: {"choices":[{"index":0,"delta":{"content":"` + strings.Repeat("x", 960) + `"}}]}` + "\n\n"
 		for i := 0; i < 1_000_000 && r.Context().Err() == nil; i++ { // at most ~1 GB
 			if _, err := io.WriteString(w, ev); err != nil {
 				return
@@ -725,6 +726,11 @@ func TestClientThatStopsReadingCancelsAgent(t *testing.T) {
 	case <-cancelled:
 	case <-time.After(60 * time.Second):
 		t.Fatal("the engine kept streaming to a client that does not read")
+	}
+	waitFor(t, "in-flight slot released", func() bool { return tb.relay.Scheduler().Snapshot()[0].InFlight == 0 })
+	// The client stalled, not the agent: no failure is held against it.
+	if s := tb.relay.Scheduler().Snapshot()[0]; s.Failures != 0 || s.ClientFaults != 1 {
+		t.Errorf("stalled client counted as %d agent failures, %d client faults; want 0, 1", s.Failures, s.ClientFaults)
 	}
 }
 
