@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/computeflux/computeflux/scheduler"
@@ -161,7 +162,16 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	copyRequestHeaders(up.Header, req.Header)
 
 	start := r.cfg.Clock.Now()
-	ttfbTimer := time.AfterFunc(r.cfg.TTFBTimeout, func() { cancel(ErrTTFBTimeout) })
+	// The first byte and the timer race for ttfbDecided: the winner alone
+	// decides whether the attempt timed out. Timer.Stop cannot tell: it
+	// returns false once the timer's function has started, before that
+	// function has cancelled anything.
+	var ttfbDecided atomic.Bool
+	ttfbTimer := time.AfterFunc(r.cfg.TTFBTimeout, func() {
+		if ttfbDecided.CompareAndSwap(false, true) {
+			cancel(ErrTTFBTimeout)
+		}
+	})
 	defer ttfbTimer.Stop()
 
 	resp, err := r.rt.RoundTrip(up)
@@ -187,9 +197,11 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	defer bufPool.Put(bp)
 	buf := *bp
 	n, rerr := readSome(resp.Body, buf)
-	if !ttfbTimer.Stop() && errors.Is(context.Cause(ctx), ErrTTFBTimeout) {
+	ttfbTimer.Stop()
+	if !ttfbDecided.CompareAndSwap(false, true) {
 		// The timer fired as the first byte arrived: the request is
-		// cancelled already, and nothing has gone to the client yet.
+		// cancelled (or about to be), and nothing has gone to the client
+		// yet.
 		rerr = ErrTTFBTimeout
 		n = 0
 	}
