@@ -122,12 +122,19 @@ const (
 	// keep-alive PINGs are smaller than quic-go's minimum for answering with
 	// a stateless reset, and nothing else is sent to the relay.
 	knownRelayCrash = "relay-crash-detection"
-	// knownDirectGossip: two agents behind endpoint-independent NATs often
-	// keep gossiping through the relay. (1) The agent joins the gossip before
-	// its DCUtR service is ready (AgentNAT.WaitReady); a circuit opened in
-	// that window never gets a punch. (2) Gossip packet streams opened on the
-	// circuit before a punch succeeds stay on it after the upgrade.
+	// knownDirectGossip: two agents behind endpoint-independent NATs may
+	// keep gossiping through the relay: gossip packet streams opened on the
+	// circuit before a punch succeeds stay on it after the upgrade (seen
+	// once). Agents now join the gossip only once hole punching is ready
+	// (AgentNAT.WaitReady), which made direct gossip go from 1 in 20 runs
+	// to every run.
 	knownDirectGossip = "direct-gossip"
+	// knownProbeLoss: now and then one gossip probe between two agents is
+	// lost or times out even after the settle period, most often over the
+	// relay's circuit, so a member is briefly suspected before it refutes.
+	// Routing is not affected (the relay probes agents over its own direct
+	// connections), but gossip between agents is not yet lossless.
+	knownProbeLoss = "gossip-probe-loss"
 )
 
 // knownHit records on t that a known issue showed.
@@ -215,6 +222,9 @@ func testGossipPaths(t *testing.T, c *Cluster) {
 				t.Errorf("h%d-h%d: %v", pair.a, pair.b, err)
 				figures[i] = fmt.Sprintf("h%d-h%d=error", pair.a, pair.b)
 				return
+			}
+			if err := r.Lossless(); err != nil {
+				known(t, knownProbeLoss, "h%d-h%d (%s-%s): %v", pair.a, pair.b, c.Lab.Homes[pair.a].Kind, c.Lab.Homes[pair.b].Kind, err)
 			}
 			if err := r.Check(pair.direct); err != nil {
 				if pair.direct {
@@ -596,6 +606,9 @@ func TestGossipPath(t *testing.T) {
 					errs++
 					t.Errorf("run %d: %v", i, err)
 					return
+				}
+				if err := r.Lossless(); err != nil {
+					known(t, knownProbeLoss, "run %d: %v (%+v)", i, err, r)
 				}
 				if err := r.Check(tc.wantDirect); err != nil {
 					if tc.wantDirect {

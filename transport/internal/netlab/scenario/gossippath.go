@@ -152,10 +152,16 @@ func (r GossipPath) Check(wantDirect bool) error {
 			errs = append(errs, fmt.Errorf("%d data packets crossed directly", r.DataAB+r.DataBA))
 		}
 	}
-	if r.ProbeFailures > 0 {
-		errs = append(errs, fmt.Errorf("%d failed probes or suspicions between the agents", r.ProbeFailures))
-	}
 	return errors.Join(errs...)
+}
+
+// Lossless reports an error when gossip between the two agents lost probes
+// (failed probes or suspicions) during the observation window.
+func (r GossipPath) Lossless() error {
+	if r.ProbeFailures > 0 {
+		return fmt.Errorf("%d failed probes or suspicions between the agents", r.ProbeFailures)
+	}
+	return nil
 }
 
 // Path is "direct" or "relayed".
