@@ -11,8 +11,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/rs/zerolog"
-
 	"github.com/computeflux/computeflux/agent"
 )
 
@@ -35,10 +33,11 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 // variables for flags not given, into an agent.Config.
 func agentConfig(args []string, lookupEnv func(string) (string, bool), stderr io.Writer) (agent.Config, error) {
 	var cfg agent.Config
-	var p2pListen, logFormat, logLevel string
+	var p2pListen string
 	var ephemeral bool
 	var nat natFlags
 	var gossip gossipFlags
+	var logs logFlags
 	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&cfg.Relay, "relay", "", "relay `multiaddr` ending in /p2p/<relay peer ID>")
@@ -55,16 +54,15 @@ func agentConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	gossip.register(fs)
 	fs.StringVar(&p2pListen, "p2p-listen", "", "comma-separated libp2p listen `multiaddrs` (default: QUIC on a random port, v4 and v6)")
 	fs.DurationVar(&cfg.DrainTimeout, "drain-timeout", 30*time.Second, "longest wait for in-flight requests when stopping")
-	fs.StringVar(&logFormat, "log-format", "console", "log format: console or json")
-	fs.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	logs.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
 	if fs.NArg() > 0 {
 		return cfg, fmt.Errorf("agent: unexpected arguments %q", fs.Args())
 	}
-	if err := agentFlagsFromEnv(fs, lookupEnv); err != nil {
-		return cfg, err
+	if err := flagsFromEnv(fs, lookupEnv); err != nil {
+		return cfg, fmt.Errorf("agent: %w", err)
 	}
 	for _, a := range strings.Split(p2pListen, ",") {
 		if a = strings.TrimSpace(a); a != "" {
@@ -88,39 +86,10 @@ func agentConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	if cfg.Gossip, err = gossip.agentConfig(); err != nil {
 		return cfg, fmt.Errorf("agent: %w", err)
 	}
-	level, err := zerolog.ParseLevel(logLevel)
-	if err != nil {
-		return cfg, fmt.Errorf("agent: --log-level: %w", err)
-	}
-	switch logFormat {
-	case "json":
-		cfg.Logger = zerolog.New(stderr).Level(level).With().Timestamp().Logger()
-	case "console":
-		cfg.Logger = zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.TimeOnly, NoColor: true}).Level(level).With().Timestamp().Logger()
-	default:
-		return cfg, fmt.Errorf("agent: --log-format %q: want console or json", logFormat)
+	if cfg.Logger, err = logs.logger(stderr); err != nil {
+		return cfg, fmt.Errorf("agent: %w", err)
 	}
 	return cfg, nil
-}
-
-// agentFlagsFromEnv sets every flag not given on the command line from the
-// environment variable COMPUTEFLUX_<NAME> (upper case, '-' as '_'), if set.
-func agentFlagsFromEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) error {
-	given := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
-	var err error
-	fs.VisitAll(func(f *flag.Flag) {
-		if given[f.Name] || err != nil {
-			return
-		}
-		name := "COMPUTEFLUX_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
-		if v, ok := lookupEnv(name); ok {
-			if e := fs.Set(f.Name, v); e != nil {
-				err = fmt.Errorf("agent: %s: %w", name, e)
-			}
-		}
-	})
-	return err
 }
 
 // defaultIdentityFile is where an agent keeps its key unless told

@@ -14,7 +14,6 @@ import (
 
 	"github.com/hashicorp/memberlist"
 	"github.com/libp2p/go-libp2p/core/peer"
-	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay"
@@ -76,9 +75,10 @@ func isLoopbackListen(addr string) bool {
 func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io.Writer) (relay.Config, relayTLS, error) {
 	var cfg relay.Config
 	var tf relayTLS
-	var p2pListen, token, tokenFile, keysFile, policy, logFormat, logLevel string
+	var p2pListen, token, tokenFile, keysFile, policy string
 	var nat natFlags
 	var gossip gossipFlags
+	var logs logFlags
 	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&cfg.Listen, "listen", relay.DefaultListen, "HTTP listen `address` for the OpenAI API")
@@ -102,16 +102,15 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	nat.register(fs)
 	gossip.register(fs)
 	fs.Var(&gossip.relays, "gossip-relay", "another relay's `multiaddr` (ending in /p2p/<peer ID>) to share membership gossip with; repeatable or comma-separated")
-	fs.StringVar(&logFormat, "log-format", "console", "log format: console or json")
-	fs.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	logs.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return cfg, tf, err
 	}
 	if fs.NArg() > 0 {
 		return cfg, tf, fmt.Errorf("relay: unexpected arguments %q", fs.Args())
 	}
-	if err := relayFlagsFromEnv(fs, lookupEnv); err != nil {
-		return cfg, tf, err
+	if err := flagsFromEnv(fs, lookupEnv); err != nil {
+		return cfg, tf, fmt.Errorf("relay: %w", err)
 	}
 
 	for _, a := range strings.Split(p2pListen, ",") {
@@ -157,42 +156,13 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 		return cfg, tf, fmt.Errorf("relay: %w", err)
 	}
 	cfg.Policy = p
-	level, err := zerolog.ParseLevel(logLevel)
-	if err != nil {
-		return cfg, tf, fmt.Errorf("relay: --log-level: %w", err)
-	}
-	switch logFormat {
-	case "json":
-		cfg.Logger = zerolog.New(stderr).Level(level).With().Timestamp().Logger()
-	case "console":
-		cfg.Logger = zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.TimeOnly, NoColor: true}).Level(level).With().Timestamp().Logger()
-	default:
-		return cfg, tf, fmt.Errorf("relay: --log-format %q: want console or json", logFormat)
+	if cfg.Logger, err = logs.logger(stderr); err != nil {
+		return cfg, tf, fmt.Errorf("relay: %w", err)
 	}
 	if (tf.cert == "") != (tf.key == "") {
 		return cfg, tf, errors.New("relay: give both --tls-cert and --tls-key, or neither")
 	}
 	return cfg, tf, nil
-}
-
-// relayFlagsFromEnv sets every flag not given on the command line from the
-// environment variable COMPUTEFLUX_<NAME> (upper case, '-' as '_'), if set.
-func relayFlagsFromEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) error {
-	given := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
-	var err error
-	fs.VisitAll(func(f *flag.Flag) {
-		if given[f.Name] || err != nil {
-			return
-		}
-		name := "COMPUTEFLUX_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
-		if v, ok := lookupEnv(name); ok {
-			if e := fs.Set(f.Name, v); e != nil {
-				err = fmt.Errorf("relay: %s: %w", name, e)
-			}
-		}
-	})
-	return err
 }
 
 // listFlag is a flag that may be repeated and takes comma-separated

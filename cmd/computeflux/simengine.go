@@ -8,8 +8,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/rs/zerolog"
-
 	"github.com/computeflux/computeflux/agent/simengine"
 )
 
@@ -37,7 +35,7 @@ func simEngineConfig(args []string, stderr io.Writer) (simengine.Config, error) 
 	var models stringList
 	var decodeMs, decodeSeqMs float64
 	var seed uint64
-	var logFormat, logLevel string
+	var logs logFlags
 	fs := flag.NewFlagSet("sim-engine", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&cfg.Listen, "listen", simengine.DefaultListen, "HTTP listen `address`")
@@ -54,8 +52,7 @@ func simEngineConfig(args []string, stderr io.Writer) (simengine.Config, error) 
 	fs.IntVar(&cfg.DefaultMaxTokens, "default-max-tokens", simengine.DefaultMaxTokens, "answer length when a request sets no max_tokens")
 	fs.Uint64Var(&seed, "seed", 0, "seed of the generated answers")
 	fs.BoolVar(&cfg.AdminRemote, "admin-remote", false, "let non-loopback clients use /admin/ endpoints")
-	fs.StringVar(&logFormat, "log-format", "console", "log format: console or json")
-	fs.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	logs.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
@@ -69,17 +66,9 @@ func simEngineConfig(args []string, stderr io.Writer) (simengine.Config, error) 
 	if decodeSeqMs == 0 {
 		cfg.Engine.DecodeTimePerSeq = -1 // zero means the default in Config; the flag's 0 means none
 	}
-	level, err := zerolog.ParseLevel(logLevel)
-	if err != nil {
-		return cfg, fmt.Errorf("sim-engine: --log-level: %w", err)
-	}
-	switch logFormat {
-	case "json":
-		cfg.Logger = zerolog.New(stderr).Level(level).With().Timestamp().Logger()
-	case "console":
-		cfg.Logger = zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.TimeOnly, NoColor: true}).Level(level).With().Timestamp().Logger()
-	default:
-		return cfg, fmt.Errorf("sim-engine: --log-format %q: want console or json", logFormat)
+	var err error
+	if cfg.Logger, err = logs.logger(stderr); err != nil {
+		return cfg, fmt.Errorf("sim-engine: %w", err)
 	}
 	return cfg, nil
 }
