@@ -441,34 +441,3 @@ func TestCancelDuringDecodeCachesPartialAnswer(t *testing.T) {
 		t.Fatalf("after cancel, prompt plus 16 answer tokens: %d cached, want 32", got)
 	}
 }
-
-func TestBlockIndexAgainstMap(t *testing.T) {
-	var x blockIndex
-	ref := map[BlockHash]int32{}
-	s := uint64(1)
-	for i := range 200000 {
-		s = mix64(s + uint64(i))
-		h := BlockHash(s % 5000) // small keys: long probe runs and wrap-around
-		if i%7 == 0 {
-			h = BlockHash(s)
-		}
-		switch s >> 62 {
-		case 0, 1:
-			x.put(h, int32(i))
-			ref[h] = int32(i)
-		case 2:
-			x.del(h)
-			delete(ref, h)
-		}
-		if i%1000 == 0 {
-			if x.count != len(ref) {
-				t.Fatalf("step %d: count %d, want %d", i, x.count, len(ref))
-			}
-			for k, v := range ref {
-				if got, ok := x.get(k); !ok || got != v {
-					t.Fatalf("step %d: get(%d) = %d %v, want %d", i, k, got, ok, v)
-				}
-			}
-		}
-	}
-}

@@ -63,6 +63,10 @@ func Tokenize(dst []Token, text string) []Token {
 }
 
 // CountTokens returns len(Tokenize(nil, text)) without allocating.
+//
+// Its loop repeats Tokenize's on purpose: sharing a per-token function (too
+// big for the compiler to inline) or one loop with an ids flag made counting
+// about a quarter slower.
 func CountTokens(text string) int {
 	count, i, n := 0, 0, len(text)
 	for i < n {
