@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -81,16 +80,11 @@ func newGEngine(t testing.TB, name string) *gEngine {
 }
 
 // gRelay is a relay with gossip serving HTTP on loopback.
-type gRelay struct {
-	r      *relay.Relay
-	url    string
-	cancel context.CancelFunc
-	done   chan error
-}
-
-func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string) *gRelay {
+// startGRelay starts a relay that takes part in gossip with the given
+// preset and tuning.
+func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string) *itRelay {
 	t.Helper()
-	r, err := relay.New(relay.Config{
+	return serveRelay(t, relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
 		Token:     []byte(gToken),
 		NoAuth:    true,
@@ -98,26 +92,6 @@ func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string) *gR
 		Logger:    gTestLogger(t, "relay"),
 		Gossip:    relay.GossipConfig{Preset: preset, Tune: tune, LeaveTimeout: time.Second},
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	gr := &gRelay{r: r, url: "http://" + ln.Addr().String(), cancel: cancel, done: make(chan error, 1)}
-	go func() { gr.done <- r.Serve(ctx, ln) }()
-	t.Cleanup(gr.stop)
-	return gr
-}
-
-func (gr *gRelay) stop() {
-	if gr.cancel != nil {
-		gr.cancel()
-		<-gr.done
-		gr.cancel = nil
-	}
 }
 
 // gAgent is a package agent Agent in front of a gEngine.
@@ -130,7 +104,7 @@ type gAgent struct {
 	done     chan error
 }
 
-func startGAgent(t testing.TB, gr *gRelay, name string, e *gEngine, identity string, tune func(*memberlist.Config), preset string) *gAgent {
+func startGAgent(t testing.TB, gr *itRelay, name string, e *gEngine, identity string, tune func(*memberlist.Config), preset string) *gAgent {
 	t.Helper()
 	a, err := agent.New(agent.Config{
 		Relay:           gr.r.Addrs()[0].String(),
@@ -215,7 +189,7 @@ func gWaitMemberlistStopped(t testing.TB) {
 
 // relayAgentMembers returns the agent names the relay's gossip lists alive
 // (not suspect) with decoded metadata.
-func relayAgentMembers(gr *gRelay) []string {
+func relayAgentMembers(gr *itRelay) []string {
 	var names []string
 	for _, m := range gr.r.Gossip().Members() {
 		if !m.Suspect && m.MetaErr == nil && m.Meta.Role == transport.NodeRoleAgent {
@@ -226,7 +200,7 @@ func relayAgentMembers(gr *gRelay) []string {
 	return names
 }
 
-func routable(gr *gRelay, name string) bool {
+func routable(gr *itRelay, name string) bool {
 	for _, s := range gr.r.Scheduler().Snapshot() {
 		if s.ID == name && !s.Health.Draining {
 			return true
@@ -237,7 +211,7 @@ func routable(gr *gRelay, name string) bool {
 
 // servedBy sends n requests (round-robin policy) and returns the agents
 // that served them; any failure is fatal.
-func servedBy(t testing.TB, gr *gRelay, n int) map[string]int {
+func servedBy(t testing.TB, gr *itRelay, n int) map[string]int {
 	t.Helper()
 	hc := &http.Client{Timeout: 30 * time.Second}
 	defer hc.CloseIdleConnections()
@@ -258,7 +232,7 @@ func servedBy(t testing.TB, gr *gRelay, n int) map[string]int {
 	return out
 }
 
-func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset string) (*gRelay, []*gAgent, time.Duration) {
+func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset string) (*itRelay, []*gAgent, time.Duration) {
 	t.Helper()
 	gr := startGRelay(t, tune, preset)
 	dir := t.TempDir()

@@ -117,13 +117,20 @@ func startRelayWith(t testing.TB, identity string, p2pAddr string, log zerolog.L
 	if p2pAddr == "" {
 		p2pAddr = "/ip4/127.0.0.1/udp/0/quic-v1"
 	}
-	r, err := relay.New(relay.Config{
+	return serveRelay(t, relay.Config{
 		P2PListen:    []string{p2pAddr},
 		IdentityFile: identity,
 		Token:        []byte(itToken),
 		APIKeys:      []string{itKey},
 		Logger:       log,
 	})
+}
+
+// serveRelay builds a relay from cfg and serves its HTTP API on a loopback
+// port until the test ends (or stop is called).
+func serveRelay(t testing.TB, cfg relay.Config) *itRelay {
+	t.Helper()
+	r, err := relay.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
