@@ -7,18 +7,11 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/netip"
 	"os"
 	"strings"
-	"time"
 
-	"github.com/hashicorp/memberlist"
-	"github.com/libp2p/go-libp2p/core/peer"
-
-	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/scheduler"
-	"github.com/computeflux/computeflux/transport"
 )
 
 // runRelay serves the OpenAI API and the agents' join service until ctx ends.
@@ -163,109 +156,4 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 		return cfg, tf, errors.New("relay: give both --tls-cert and --tls-key, or neither")
 	}
 	return cfg, tf, nil
-}
-
-// listFlag is a flag that may be repeated and takes comma-separated
-// values; from the environment it is set once with a comma list.
-type listFlag []string
-
-func (l *listFlag) String() string { return strings.Join(*l, ",") }
-
-func (l *listFlag) Set(s string) error {
-	for _, v := range strings.Split(s, ",") {
-		if v = strings.TrimSpace(v); v != "" {
-			*l = append(*l, v)
-		}
-	}
-	return nil
-}
-
-// natFlags are the NAT-traversal flags of relay and agent.
-type natFlags struct{ cidrs listFlag }
-
-func (n *natFlags) register(fs *flag.FlagSet) {
-	fs.Var(&n.cidrs, "public-cidr", "address `range` to treat as public for hole punching and relay reservations, "+
-		"on top of globally routable addresses, e.g. 100.64.0.0/10 for carrier-grade NAT; repeatable or comma-separated (default: none)")
-}
-
-func (n *natFlags) publicCIDRs() ([]netip.Prefix, error) {
-	p, err := transport.ParsePublicCIDRs(n.cidrs)
-	if err != nil {
-		return nil, fmt.Errorf("--public-cidr: %w", err)
-	}
-	return p, nil
-}
-
-// gossipFlags are the membership gossip flags of relay and agent.
-type gossipFlags struct {
-	disabled                                    bool
-	preset                                      string
-	probeInterval, probeTimeout, gossipInterval time.Duration
-	suspicionMult                               int
-	relays                                      listFlag // relay only
-}
-
-func (g *gossipFlags) register(fs *flag.FlagSet) {
-	fs.BoolVar(&g.disabled, "no-gossip", false, "take no part in membership gossip (the relay then routes on join registrations alone)")
-	fs.StringVar(&g.preset, "gossip-preset", transport.GossipPresetHome,
-		"memberlist timing `preset`: home (probe every 2 s, a silent member is dead after 8 to 32 s), wan, lan, local")
-	fs.DurationVar(&g.probeInterval, "gossip-probe-interval", 0, "override the preset's probe interval (0: keep the preset's)")
-	fs.DurationVar(&g.probeTimeout, "gossip-probe-timeout", 0, "override the preset's wait for a probe's ack (0: keep)")
-	fs.DurationVar(&g.gossipInterval, "gossip-interval", 0, "override the preset's gossip interval (0: keep)")
-	fs.IntVar(&g.suspicionMult, "gossip-suspicion-mult", 0, "override the preset's suspicion multiplier: a suspect is dead after mult x log10(members) x probe interval at least (0: keep)")
-}
-
-// tune checks the preset and returns a memberlist edit for the overrides
-// given (nil when none).
-func (g *gossipFlags) tune() (func(*memberlist.Config), error) {
-	switch g.preset {
-	case transport.GossipPresetHome, transport.GossipPresetWAN, transport.GossipPresetLAN, transport.GossipPresetLocal:
-	default:
-		return nil, fmt.Errorf("--gossip-preset %q: want home, wan, lan or local", g.preset)
-	}
-	if g.probeInterval < 0 || g.probeTimeout < 0 || g.gossipInterval < 0 || g.suspicionMult < 0 {
-		return nil, errors.New("gossip overrides must not be negative")
-	}
-	if g.probeInterval == 0 && g.probeTimeout == 0 && g.gossipInterval == 0 && g.suspicionMult == 0 {
-		return nil, nil
-	}
-	o := *g
-	return func(c *memberlist.Config) {
-		if o.probeInterval > 0 {
-			c.ProbeInterval = o.probeInterval
-		}
-		if o.probeTimeout > 0 {
-			c.ProbeTimeout = o.probeTimeout
-		}
-		if o.gossipInterval > 0 {
-			c.GossipInterval = o.gossipInterval
-		}
-		if o.suspicionMult > 0 {
-			c.SuspicionMult = o.suspicionMult
-		}
-	}, nil
-}
-
-func (g *gossipFlags) relayConfig() (relay.GossipConfig, error) {
-	tune, err := g.tune()
-	if err != nil {
-		return relay.GossipConfig{}, err
-	}
-	gc := relay.GossipConfig{Disabled: g.disabled, Preset: g.preset, Tune: tune}
-	for _, s := range g.relays {
-		ai, err := peer.AddrInfoFromString(s)
-		if err != nil {
-			return gc, fmt.Errorf("--gossip-relay %q (a multiaddr ending in /p2p/<peer ID>): %w", s, err)
-		}
-		gc.Relays = append(gc.Relays, *ai)
-	}
-	return gc, nil
-}
-
-func (g *gossipFlags) agentConfig() (agent.GossipConfig, error) {
-	tune, err := g.tune()
-	if err != nil {
-		return agent.GossipConfig{}, err
-	}
-	return agent.GossipConfig{Disabled: g.disabled, Preset: g.preset, Tune: tune}, nil
 }
