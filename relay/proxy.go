@@ -145,7 +145,7 @@ func pickError(err error, model string, failures int, allRateLimited bool, retry
 // Every outcome is reported to the scheduler exactly once.
 func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, att *scheduler.Attempt, c scheduler.Choice, rl *reqLog) attemptResult {
 	report := func(o scheduler.Outcome) { att.Report(c, o) }
-	upHost, ok := r.reg.upstreamHost(c.EndpointID)
+	upHost, upPeer, ok := r.reg.upstream(c.EndpointID)
 	if !ok {
 		report(scheduler.Outcome{Err: ErrAgentGone})
 		return attemptResult{err: fmt.Errorf("%s: %w", c.EndpointID, ErrAgentGone)}
@@ -153,7 +153,14 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 
 	ctx, cancel := context.WithCancelCause(req.Context())
 	defer cancel(nil)
-	up, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+upHost+req.URL.Path, bytes.NewReader(body))
+	upCtx, acked := ctx, func() {}
+	if r.live != nil {
+		// See liveness.go: the agent must acknowledge the request within
+		// a few round trips, and answer probes while it is in flight.
+		defer r.live.track(upPeer, c.EndpointID, cancel)()
+		upCtx, acked = r.live.watchAck(ctx, cancel, upPeer, c.EndpointID)
+	}
+	up, err := http.NewRequestWithContext(upCtx, http.MethodPost, "http://"+upHost+req.URL.Path, bytes.NewReader(body))
 	if err != nil {
 		report(scheduler.Outcome{Err: err})
 		return attemptResult{err: err}
@@ -178,6 +185,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	if err != nil {
 		return r.failed(ctx, req, report, start, 0, err)
 	}
+	acked() // a response header is an acknowledgement too
 	defer resp.Body.Close()
 
 	if cls := scheduler.Classify(resp.StatusCode, nil); cls.Retryable() {
@@ -304,6 +312,8 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	switch {
 	case errors.Is(cause, ErrIdleTimeout):
 		msg, code = "The agent's response stalled", "upstream_timeout"
+	case errors.Is(cause, ErrAgentSilent):
+		msg, code = "The agent stopped answering", "upstream_unreachable"
 	case errors.Is(cause, ErrBadUpstream):
 		msg, code = "The agent sent a malformed event", "upstream_invalid"
 	}
@@ -319,7 +329,7 @@ func (r *Relay) failed(ctx context.Context, req *http.Request, report func(sched
 		report(scheduler.Outcome{Status: statusClientClosed, Latency: lat})
 		return attemptResult{err: errClientGone}
 	}
-	if cause := context.Cause(ctx); errors.Is(cause, ErrTTFBTimeout) {
+	if cause := context.Cause(ctx); errors.Is(cause, ErrTTFBTimeout) || errors.Is(cause, ErrNoAck) || errors.Is(cause, ErrAgentSilent) {
 		err = cause
 	}
 	report(scheduler.Outcome{Status: status, Err: err, Latency: lat})

@@ -41,6 +41,7 @@ type Relay struct {
 	join    io.Closer // the join service on host
 
 	gossip *relayGossip // nil when gossip is off or without a host
+	live   *liveness    // request-path liveness; nil without our own libp2p round tripper
 	// draining is set once the relay starts stopping; gossip publishes it.
 	draining atomic.Bool
 	// bgCtx ends when Close starts; bgWG waits for the goroutines it bounds.
@@ -131,6 +132,7 @@ func New(cfg Config) (*Relay, error) {
 		}
 		if r.rt == nil {
 			r.rt = transport.NewRoundTripper(r.host)
+			r.live = newLiveness(r.host, r.reg, r.log, r.bgCtx, &r.bgWG)
 		}
 		r.log.Info().Stringer("peer", r.host.ID()).Strs("addrs", r.addrStrings()).Msg("relay p2p listening")
 	}
