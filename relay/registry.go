@@ -300,18 +300,6 @@ func (g *Registry) Peer(name string) (peer.ID, bool) {
 	return e.peer, true
 }
 
-// upstreamHost returns the URL host that reaches agent name: its peer ID
-// in text form.
-func (g *Registry) upstreamHost(name string) (string, bool) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	e, ok := g.byName[name]
-	if !ok {
-		return "", false
-	}
-	return e.host, true
-}
-
 // Name returns the agent name peer p joined as.
 func (g *Registry) Name(p peer.ID) (string, bool) {
 	g.mu.Lock()

@@ -536,8 +536,8 @@ func (f *packetFilter) listen(network string, laddr *net.UDPAddr) (net.PacketCon
 }
 
 // filteredConn is a UDP socket whose packets vanish once its filter drops.
-// It hides *net.UDPConn's batch and ECN interfaces, so quic-go reads and
-// writes packet by packet through it.
+// It hides *net.UDPConn's batch and ECN interfaces (its SyscallConn), so
+// quic-go reads and writes packet by packet through it.
 type filteredConn struct {
 	net.PacketConn
 	f *packetFilter
@@ -552,6 +552,12 @@ func (c *filteredConn) ReadFrom(b []byte) (int, net.Addr, error) {
 		}
 	}
 }
+
+// SetReadBuffer sizes the socket's receive buffer.
+func (c *filteredConn) SetReadBuffer(n int) error { return c.PacketConn.(*net.UDPConn).SetReadBuffer(n) }
+
+// SetWriteBuffer sizes the socket's send buffer.
+func (c *filteredConn) SetWriteBuffer(n int) error { return c.PacketConn.(*net.UDPConn).SetWriteBuffer(n) }
 
 // WriteTo sends b unless the filter drops it (then it pretends to).
 func (c *filteredConn) WriteTo(b []byte, addr net.Addr) (int, error) {
