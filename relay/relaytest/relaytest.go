@@ -554,10 +554,14 @@ func (c *filteredConn) ReadFrom(b []byte) (int, net.Addr, error) {
 }
 
 // SetReadBuffer sizes the socket's receive buffer.
-func (c *filteredConn) SetReadBuffer(n int) error { return c.PacketConn.(*net.UDPConn).SetReadBuffer(n) }
+func (c *filteredConn) SetReadBuffer(n int) error {
+	return c.PacketConn.(*net.UDPConn).SetReadBuffer(n)
+}
 
 // SetWriteBuffer sizes the socket's send buffer.
-func (c *filteredConn) SetWriteBuffer(n int) error { return c.PacketConn.(*net.UDPConn).SetWriteBuffer(n) }
+func (c *filteredConn) SetWriteBuffer(n int) error {
+	return c.PacketConn.(*net.UDPConn).SetWriteBuffer(n)
+}
 
 // WriteTo sends b unless the filter drops it (then it pretends to).
 func (c *filteredConn) WriteTo(b []byte, addr net.Addr) (int, error) {
