@@ -16,6 +16,9 @@ import (
 // runBench compares routing policies on one workload and prints the table
 // (or JSON) for each scenario asked for.
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if chaosScenario(args) {
+		return runBenchChaos(ctx, args, stdout, stderr)
+	}
 	cfg, scenarios, asJSON, err := benchConfig(args, stderr)
 	if err != nil {
 		return err
@@ -64,7 +67,7 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	}
 	fs.StringVar(&cfg.Mode, "mode", bench.ModeLive, "`live` (relay, agents, engines on loopback) or sim (discrete-event simulation)")
 	fs.StringVar(&policies, "policies", "all", "comma-separated `policies`: sticky, round-robin, random, least-loaded, consistent-hash, or all")
-	fs.StringVar(&scenarios, "scenario", "steady", "comma-separated `scenarios`: steady, degraded, failure, join, skew, or all")
+	fs.StringVar(&scenarios, "scenario", "steady", "comma-separated `scenarios`: steady, degraded, failure, join, skew, or all; or chaos alone (real processes, see --scenario chaos -h)")
 	fs.IntVar(&cfg.Engines, "engines", 4, "number of engines, each with its agent")
 	fs.IntVar(&cfg.Chat.Sessions, "sessions", 0, "chat sessions (default 30 per engine)")
 	fs.DurationVar(&cfg.Duration, "duration", 0, "send no new turn after this much model time (0: the whole workload)")
