@@ -9,9 +9,10 @@ package relay
 //     ackTimeout (a few round trip times) is a connection failure: the
 //     attempt, not yet committed, is retried on another agent, and the
 //     agent is suspect at once (avoided by the scheduler).
-//   - The probe: while requests are in flight to an agent (and for a short
-//     linger after, and while it is suspect), a ping runs on its connection
-//     every probeInterval. An agent that echoes nothing for silentAfter is
+//   - The probe: a ping runs on every joined agent's connection, from its
+//     join on: every idleProbeInterval, and every probeInterval while
+//     requests are in flight to it (and for a short linger after). An agent
+//     that echoes nothing for silentAfter (idleSilentAfter when idle) is
 //     silent: it turns suspect and every request in flight to it is
 //     cancelled with ErrAgentSilent, so that an uncommitted attempt is
 //     retried elsewhere and a stream already going out ends with an error
@@ -49,10 +50,17 @@ var (
 	ErrAgentSilent = errors.New("agent stopped answering")
 )
 
-// Liveness timings. The costs are per agent with requests in flight (or in
-// the linger after, or suspect): one 32-byte ping and its echo per
-// probeInterval, about 0.6 kB/s each way with QUIC's headers and ACKs.
+// Liveness timings. A ping is 32 bytes and its echo 32, each in a QUIC
+// packet of about 80 bytes with its ACK: an idle agent costs about 160
+// bytes/s each way (idleProbeInterval), one with requests in flight about
+// 640 bytes/s each way (probeInterval).
 const (
+	// idleProbeInterval is the gap between two probes of an agent with no
+	// request in flight.
+	idleProbeInterval = time.Second
+	// idleSilentAfter is the silence bound of an idle agent: a few probes,
+	// so that one lost packet is no death.
+	idleSilentAfter = 3 * time.Second
 	// minAckTimeout is the floor of the ack bound: scheduling delays on a
 	// loaded agent host are not a death.
 	minAckTimeout = 250 * time.Millisecond
@@ -67,9 +75,8 @@ const (
 	// more, so that a steady trickle of requests does not start and stop a
 	// prober every time.
 	probeLinger = 5 * time.Second
-	// suspectProbeFor bounds how long a suspect agent is probed: longer
-	// than gossip takes to declare it dead and the join stream to end.
-	suspectProbeFor = 2 * time.Minute
+	// watchEvery is how often joined agents without a prober get one.
+	watchEvery = 250 * time.Millisecond
 )
 
 // ackTimeout is the bound on a request's acknowledgement given the smoothed
@@ -170,8 +177,7 @@ func (l *liveness) startLocked(p peer.ID, w *watch) {
 	}()
 }
 
-// probe pings agent p until it has had no request in flight for
-// probeLinger and is not suspect, or its registration ends.
+// probe pings agent p until its registration ends or the relay closes.
 func (l *liveness) probe(p peer.ID, w *watch) {
 	var s network.Stream
 	defer func() {
@@ -180,7 +186,6 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		}
 	}()
 	lastAlive := time.Now()
-	var suspectSince time.Time
 	buf := make([]byte, 2*ping.PingSize)
 	tick := time.NewTimer(0)
 	defer tick.Stop()
@@ -191,16 +196,20 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 			return
 		case <-tick.C:
 		}
-		if !l.reg.holds(w.name, p) || l.finished(p, w, suspectSince) {
+		if !l.reg.holds(w.name, p) {
 			l.stop(p, w)
 			return
+		}
+		interval, bound := idleProbeInterval, idleSilentAfter
+		if l.busy(w) {
+			interval, bound = probeInterval, silentAfter
 		}
 		start := time.Now()
 		// Until the silence bound from the last echo; once silent, each
 		// probe gets the whole bound to show the agent is back.
-		deadline := lastAlive.Add(silentAfter)
+		deadline := lastAlive.Add(bound)
 		if !deadline.After(start) {
-			deadline = start.Add(silentAfter)
+			deadline = start.Add(bound)
 		}
 		var err error
 		if s == nil {
@@ -213,19 +222,15 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		if err == nil {
 			l.h.Peerstore().RecordLatency(p, now.Sub(start))
 			lastAlive = now
-			suspectSince = time.Time{}
 			l.alive(p, w)
-			tick.Reset(probeInterval)
+			tick.Reset(interval)
 			continue
 		}
 		if s != nil {
 			_ = s.Reset()
 			s = nil
 		}
-		if now.Sub(lastAlive) >= silentAfter {
-			if suspectSince.IsZero() {
-				suspectSince = now
-			}
+		if now.Sub(lastAlive) >= bound {
 			l.silent(p, w)
 		}
 		// A failure before the silence bound (a stream reset): retry soon.
@@ -233,15 +238,31 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 	}
 }
 
-// finished reports whether the prober of w may stop: nothing in flight for
-// probeLinger and not suspect, or suspect for longer than suspectProbeFor.
-func (l *liveness) finished(p peer.ID, w *watch, suspectSince time.Time) bool {
+// busy reports whether w has requests in flight, or had in the last
+// probeLinger.
+func (l *liveness) busy(w *watch) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if w.suspect {
-		return !suspectSince.IsZero() && time.Since(suspectSince) > suspectProbeFor
+	return len(w.flights) > 0 || w.suspect || time.Since(w.idleAt) < probeLinger
+}
+
+// run gives every joined agent a prober, from its join on, until the
+// relay closes.
+func (l *liveness) run() {
+	t := time.NewTicker(watchEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-l.ctx.Done():
+			return
+		case <-t.C:
+		}
+		for _, a := range l.reg.Agents() {
+			l.mu.Lock()
+			l.startLocked(a.Peer, l.watchLocked(a.Peer, a.Name))
+			l.mu.Unlock()
+		}
 	}
-	return len(w.flights) == 0 && time.Since(w.idleAt) > probeLinger
 }
 
 // stop ends w's prober; a watch with nothing left goes.

@@ -5,6 +5,8 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"os"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -17,7 +19,9 @@ import (
 	"github.com/libp2p/go-libp2p/p2p/protocol/ping"
 	"github.com/rs/zerolog"
 
+	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -177,4 +181,68 @@ func TestSilentAgentEndsStreamWithErrorEvent(t *testing.T) {
 		t.Fatal("silent agent is not suspect")
 	}
 	t.Logf("silent agent's stream ended with an error event %v after its last event", gap)
+}
+
+// Detection of a silent agent with no request in flight, through package
+// agent: each run kills one agent by dropping its packets, half of them
+// right after it joined, and measures until the relay routes around it.
+// The figures are reported; the test fails only if the relay never
+// notices. Two runs by default; COMPUTEFLUX_LIVENESS_MEASURE=1 makes ten.
+func TestSilentIdleAgentDetection(t *testing.T) {
+	if testing.Short() {
+		t.Skip("kills agents over QUIC")
+	}
+	ctx := context.Background()
+	cl, err := relaytest.Start(ctx, relaytest.Config{Engines: 2, Engine: simengine.Config{TimeScale: 100}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	runs := 2
+	if os.Getenv("COMPUTEFLUX_LIVENESS_MEASURE") != "" {
+		runs = 10
+	}
+	var took []time.Duration
+	for run := range runs {
+		i := 1
+		if run%2 == 1 {
+			// Killed right after joining (AddEngine returns once joined).
+			var err error
+			if i, err = cl.AddEngine(ctx); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			time.Sleep(1500 * time.Millisecond) // well after its join
+		}
+		name := cl.Engine(i).Name
+		killed := time.Now()
+		if err := cl.KillAgent(i); err != nil {
+			t.Fatal(err)
+		}
+		for !suspectOrGone(cl.Relay().Scheduler(), name) {
+			if time.Since(killed) > 30*time.Second {
+				t.Fatalf("run %d: the relay still routes to %s 30 s after it died", run, name)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		took = append(took, time.Since(killed))
+		if run%2 == 0 {
+			if err := cl.RestartAgent(ctx, i); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	sorted := slices.Clone(took)
+	slices.Sort(sorted)
+	t.Logf("silent idle agent out of routing after: median %v, worst %v (runs %v; odd runs killed right after joining)",
+		sorted[len(sorted)/2].Round(time.Millisecond), sorted[len(sorted)-1].Round(time.Millisecond), took)
+}
+
+func suspectOrGone(s *scheduler.Scheduler, id string) bool {
+	for _, st := range s.Snapshot() {
+		if st.ID == id {
+			return st.Health.Suspect || st.Health.Draining
+		}
+	}
+	return true
 }
