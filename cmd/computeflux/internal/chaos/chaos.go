@@ -122,6 +122,9 @@ type Result struct {
 	BackAfterCont time.Duration
 	// Wall is the load's duration.
 	Wall time.Duration
+	// Events are the relay's log lines about the killed and frozen agents
+	// during the load, with their time since the load began.
+	Events []string
 }
 
 // Counts tallies the requests by stream and cause.
@@ -347,7 +350,8 @@ func (c *cluster) routableAgain(name string, since time.Time) time.Duration {
 			continue
 		}
 		routable, _ := l.fields["routable"].(bool)
-		if l.str("message") == "agent answers again" || (l.str("message") == "agent membership changed" && routable) {
+		switch msg := l.str("message"); {
+		case msg == "agent answers again", msg == "agent joined", msg == "agent membership changed" && routable:
 			return l.at.Sub(since)
 		}
 	}
@@ -425,6 +429,12 @@ func (c *cluster) run(ctx context.Context) (*Result, error) {
 	}
 	if !contAt.IsZero() {
 		res.BackAfterCont = c.routableAgain(agentName(frozen), contAt)
+	}
+	for _, l := range c.relay.logs() {
+		if a := l.str("agent"); l.at.After(loadStart) && (a == agentName(killed) || a == agentName(frozen)) {
+			res.Events = append(res.Events, fmt.Sprintf("%v %s: %s (gossip %s, routable %v, dead %v)",
+				l.at.Sub(loadStart).Round(time.Millisecond), a, l.str("message"), l.str("gossip"), l.fields["routable"], l.fields["dead"]))
+		}
 	}
 	slices.SortFunc(res.Requests, func(a, b Request) int { return int(a.Start - b.Start) })
 	if startErr != nil {

@@ -61,6 +61,13 @@ func TestChaosRealProcesses(t *testing.T) {
 	for _, l := range strings.Split(strings.TrimSpace(sb.String()), "\n") {
 		t.Log(l)
 	}
+	defer func() {
+		if t.Failed() {
+			for _, e := range res.Events {
+				t.Log("relay: " + e)
+			}
+		}
+	}()
 	served := 0
 	for _, q := range res.Requests {
 		switch {
