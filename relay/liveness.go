@@ -16,8 +16,9 @@ package relay
 //     silent: it turns suspect and every request in flight to it is
 //     cancelled with ErrAgentSilent, so that an uncommitted attempt is
 //     retried elsewhere and a stream already going out ends with an error
-//     event. The first echo after that clears the suspicion: a frozen agent
-//     that wakes up is routable again once it answers.
+//     event. Silent for deadAfter, it is taken out of routing as gossip
+//     takes a dead member. The first echo after that clears both: a frozen
+//     agent that wakes up is routable again once it answers.
 //
 // The probe also keeps the agent's smoothed RTT in the peerstore (libp2p's
 // LatencyEWMA), which sets the ack bound.
@@ -75,6 +76,11 @@ const (
 	// more, so that a steady trickle of requests does not start and stop a
 	// prober every time.
 	probeLinger = 5 * time.Second
+	// deadAfter is how long an agent may stay silent before the relay
+	// takes it out of routing altogether (its sessions' affinity
+	// dropped), as gossip does for a dead member: it covers agents gossip
+	// does not know yet, and does not wait for QUIC's idle timeout.
+	deadAfter = 10 * time.Second
 	// watchEvery is how often joined agents without a prober get one.
 	watchEvery = 250 * time.Millisecond
 )
@@ -186,6 +192,7 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		}
 	}()
 	lastAlive := time.Now()
+	markedDead := false
 	buf := make([]byte, 2*ping.PingSize)
 	tick := time.NewTimer(0)
 	defer tick.Stop()
@@ -222,6 +229,10 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		if err == nil {
 			l.h.Peerstore().RecordLatency(p, now.Sub(start))
 			lastAlive = now
+			if markedDead {
+				markedDead = false
+				l.reg.SetDead(w.name, false)
+			}
 			l.alive(p, w)
 			tick.Reset(interval)
 			continue
@@ -232,6 +243,11 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		}
 		if now.Sub(lastAlive) >= bound {
 			l.silent(p, w)
+		}
+		if !markedDead && now.Sub(lastAlive) >= deadAfter && l.reg.holds(w.name, p) {
+			markedDead = true
+			l.log.Warn().Str("agent", w.name).Dur("silent", now.Sub(lastAlive)).Msg("agent silent too long: out of routing")
+			l.reg.SetDead(w.name, true)
 		}
 		// A failure before the silence bound (a stream reset): retry soon.
 		tick.Reset(probeInterval)
