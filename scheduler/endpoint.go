@@ -21,6 +21,15 @@ type Endpoint struct {
 	Capacity int
 	// Disabled takes the endpoint out of service: it is never picked.
 	Disabled bool
+	// Priority is the endpoint's tier: Pick uses the lowest tier that has
+	// an available candidate (see tier.go). 0, the default, is the first
+	// choice; negative values count as 0.
+	Priority int
+	// Keys names the credentials the endpoint is reached with, each its own
+	// unit of the per-request DeadKeys and UsedKeys exclusions and with its
+	// own rate-limit breaker (see keys.go). The names are opaque labels,
+	// never the secrets. Empty means the endpoint is its own single key.
+	Keys []string
 }
 
 // Health is what gossip and the agent report about an endpoint. The zero
@@ -96,6 +105,11 @@ type EndpointStatus struct {
 	ColdStart bool
 	// Score is the sticky policy's score right now.
 	Score float64
+	// Priority is the endpoint's tier (0 first).
+	Priority int
+	// Keys is the state of each of the endpoint's keys, in Endpoint.Keys
+	// order; nil for an endpoint without keys.
+	Keys []KeyStatus
 }
 
 // endpoint is the scheduler's state for one Endpoint. All fields are
@@ -122,6 +136,8 @@ type endpoint struct {
 	id        string
 
 	models      []string // sorted, no duplicates
+	priority    int
+	keys        []*keyState // in Endpoint.Keys order; nil without keys
 	brOK, brBad float64  // failure-rate rule: successes vs endpoint failures
 	consecFails int
 
