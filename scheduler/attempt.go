@@ -126,9 +126,9 @@ type Attempt struct {
 	// Guarded by s.mu.
 	dead, used []keyRef // (endpoint, key) pairs refused (401/403) and rate limited (429)
 	failed     []string // endpoint IDs
-	pending            []pending
-	pendingBuf         [2]pending
-	mapped             *endpoint // the session's live endpoint, during a Pick
+	pending    []pending
+	pendingBuf [2]pending
+	mapped     *endpoint // the session's live endpoint, during a Pick
 }
 
 type pending struct {

@@ -138,7 +138,7 @@ type endpoint struct {
 	models      []string // sorted, no duplicates
 	priority    int
 	keys        []*keyState // in Endpoint.Keys order; nil without keys
-	brOK, brBad float64  // failure-rate rule: successes vs endpoint failures
+	brOK, brBad float64     // failure-rate rule: successes vs endpoint failures
 	consecFails int
 
 	successes, deadKeys, rateLimited, failures, clientFaults uint64
