@@ -136,8 +136,6 @@ type endpoint struct {
 	id        string
 
 	models      []string // sorted, no duplicates
-	priority    int
-	keys        []*keyState // in Endpoint.Keys order; nil without keys
 	brOK, brBad float64     // failure-rate rule: successes vs endpoint failures
 	consecFails int
 
@@ -146,6 +144,9 @@ type endpoint struct {
 	brGen        uint64 // bumped on every breaker transition
 	openForLimit bool   // the breaker was opened by a 429
 	probeSuccess int    // successful probes in the current half-open phase
+
+	priority int         // tier (tier.go)
+	keys     []*keyState // in Endpoint.Keys order; nil without keys (keys.go)
 }
 
 func (e *endpoint) serves(model string) bool {
