@@ -136,7 +136,7 @@ type endpoint struct {
 	id        string
 
 	models      []string // sorted, no duplicates
-	brOK, brBad float64     // failure-rate rule: successes vs endpoint failures
+	brOK, brBad float64  // failure-rate rule: successes vs endpoint failures
 	consecFails int
 
 	successes, deadKeys, rateLimited, failures, clientFaults uint64
