@@ -36,6 +36,11 @@ type Relay struct {
 	metrics *metrics
 	handler http.Handler
 
+	ops       *operator    // the operator's settings (operator.go)
+	providers *providerSet // provider endpoints (providers.go)
+	stats     *statsWindow // recent requests, for the status page (admin.go)
+	adminAddr atomic.Value // string: the admin listener's address
+
 	host    host.Host // nil with NoP2P
 	ownHost bool      // New created host, so Close closes it
 	join    io.Closer // the join service on host
@@ -73,6 +78,10 @@ func New(cfg Config) (*Relay, error) {
 		rt:     cfg.Transport,
 	}
 	r.reg = newRegistry(sched, r.log)
+	r.ops = newOperator(cfg.MaxAgentWeight)
+	r.reg.ops = r.ops
+	r.providers = newProviderSet(r)
+	r.stats = newStatsWindow()
 	r.metrics = newMetrics(r)
 	r.reg.onChange = r.metrics.updateRoutable
 	r.handler = http.HandlerFunc(r.serveHTTP)
@@ -137,6 +146,13 @@ func New(cfg Config) (*Relay, error) {
 	if cfg.NoAuth {
 		r.log.Warn().Msg("serving clients without API keys (NoAuth)")
 	}
+	if cfg.EndpointsFile != "" {
+		// Refused at start when malformed; a failed discovery is not.
+		if err := r.ReloadEndpoints(context.Background()); err != nil {
+			_ = r.Close()
+			return nil, fmt.Errorf("relay: %w", err)
+		}
+	}
 	return r, nil
 }
 
@@ -199,6 +215,12 @@ func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
 		IdleTimeout:       2 * r.cfg.IdleTimeout,
 		ErrorLog:          stdlog.New(r.log.With().Str("source", "http").Logger(), "", 0),
 	}
+	stopAdmin, aerr := r.serveAdmin()
+	if aerr != nil {
+		_ = ln.Close()
+		return aerr
+	}
+	defer stopAdmin()
 	r.log.Info().Str("addr", ln.Addr().String()).Msg("relay http listening")
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
@@ -233,6 +255,7 @@ func (r *Relay) Close() error {
 			r.bgCancel()
 			r.bgWG.Wait()
 		}
+		r.providers.close()
 		if r.gossip != nil {
 			errs = append(errs, r.gossip.shutdown())
 		}
