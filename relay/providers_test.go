@@ -26,7 +26,7 @@ type fakeProvider struct {
 
 	mu     sync.Mutex
 	answer map[string]func(w http.ResponseWriter, r *http.Request, body []byte) // by key; guarded by mu
-	seen   []string                                                          // keys of inference requests, in order
+	seen   []string                                                             // keys of inference requests, in order
 	paths  []string
 	hits   atomic.Int64
 }
@@ -634,4 +634,3 @@ func FuzzParseModelList(f *testing.F) {
 		}
 	})
 }
-
