@@ -219,7 +219,7 @@ func ParseEndpointsFile(b []byte, readFile func(string) ([]byte, error)) (*Endpo
 		if as.Priority != nil && (*as.Priority < 0 || *as.Priority > 1000) {
 			return nil, fmt.Errorf("%s: must be 0..1000, got %d", at("priority"), *as.Priority)
 		}
-		out.Agents = append(out.Agents, AgentSetting{Name: as.Name, Weight: as.Weight, Priority: as.Priority, Disabled: as.Disabled})
+		out.Agents = append(out.Agents, AgentSetting(as))
 	}
 	return out, nil
 }
