@@ -1,6 +1,8 @@
 package scheduler
 
 import (
+	"fmt"
+	"strconv"
 	"testing"
 	"time"
 )
@@ -249,5 +251,36 @@ func TestKeysEndpointFailureCountsAgainstEndpoint(t *testing.T) {
 	a.Report(c, ok200)
 	if st := status(t, s, "cloud"); st.Failures != 1 || st.Keys[0].Breaker != BreakerClosed {
 		t.Fatalf("cloud after 5xx: %+v", st)
+	}
+}
+
+// BenchmarkPickTiers measures a scored pick among 10 agents when the table
+// also holds two keyed providers in an overflow tier ("tiers"), next to the
+// same 10 agents alone ("flat"), and a pick that overflows because every
+// agent is disabled ("overflow").
+func BenchmarkPickTiers(b *testing.B) {
+	ok := Outcome{Status: 200, Latency: 80 * time.Millisecond}
+	for _, mode := range []string{"flat", "tiers", "overflow"} {
+		b.Run(mode, func(b *testing.B) {
+			s := benchScheduler(b, 10)
+			if mode != "flat" {
+				for i := range 2 {
+					s.Upsert(Endpoint{ID: fmt.Sprintf("provider-%d", i), Models: []string{"m"}, Priority: 1, Keys: []string{"k1", "k2", "k3"}, Capacity: 64})
+				}
+			}
+			if mode == "overflow" {
+				for i := range 10 {
+					s.Upsert(Endpoint{ID: "agent-" + strconv.Itoa(i), Models: []string{"m", "other"}, Capacity: 64, Disabled: true})
+				}
+			}
+			a := s.Begin(Request{Model: "m"})
+			measure(b, func() {
+				c, err := a.Pick()
+				if err != nil {
+					b.Fatal(err)
+				}
+				a.Report(c, ok)
+			})
+		})
 	}
 }
