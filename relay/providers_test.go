@@ -634,3 +634,35 @@ func FuzzParseModelList(f *testing.F) {
 		}
 	})
 }
+
+// A provider whose models cannot be discovered is listed with the error,
+// serves nothing, and is retried until discovery works.
+func TestProviderRediscovery(t *testing.T) {
+	fp := newFakeProvider(t, "cloud", []string{"m9"})
+	tb, _ := providerBed(t, nil, fmt.Sprintf("endpoints:\n  - {name: cloud, url: %s, keys: [late-key]}\n", fp.url()), nil)
+	row := tableRow(t, tb.relay, "cloud")
+	if row.State != "no-models" || !strings.Contains(row.Error, "status 401") || strings.Contains(row.Error, "late-key") {
+		t.Fatalf("row %+v", row)
+	}
+	tb.relay.providers.reload.Lock()
+	looping := tb.relay.providers.looping
+	tb.relay.providers.reload.Unlock()
+	if !looping {
+		t.Fatal("no rediscovery scheduled")
+	}
+	resp := tb.do("POST", "/v1/chat/completions", `{"model":"m9","messages":[]}`)
+	if resp.StatusCode == http.StatusOK {
+		t.Fatal("served a model it was never found to have")
+	}
+	resp.Body.Close()
+	fp.set("late-key", providerOK("cloud"))
+	if tb.relay.providers.rediscover() {
+		t.Fatal("still missing after the provider answered")
+	}
+	if row := tableRow(t, tb.relay, "cloud"); row.State != "ok" || !slices.Equal(row.Models, []string{"m9"}) {
+		t.Fatalf("after rediscovery: %+v", row)
+	}
+	if agent, _ := chatOK(t, tb, `{"model":"m9","messages":[]}`); agent != "cloud" {
+		t.Fatalf("served by %s", agent)
+	}
+}
