@@ -208,8 +208,9 @@
 // higher: overflow, such as keyed provider APIs). Every policy above runs
 // within one tier: the lowest tier that holds an endpoint admitted for the
 // attempt, neither avoided (suspect, failed earlier in this request) nor
-// reporting a saturated engine. Only when no tier has one does the pick use
-// the lowest tier with any admitted endpoint. A session mapped outside the
+// reporting a saturated engine. When no tier has one, the pick uses the
+// lowest tier with an admitted endpoint not to be avoided, else the lowest
+// with any admitted endpoint. A session mapped outside the
 // chosen tier is a miss, so sessions that overflowed return to the first
 // tier once it has room. With a single tier nothing changes.
 //

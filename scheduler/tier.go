@@ -10,8 +10,9 @@ import "slices"
 // is available to this attempt and neither saturated nor to be avoided:
 // admitted (not excluded, not draining, breaker admitting, a free slot) and
 // neither Suspect nor failed earlier in this request, and whose engine does
-// not report itself saturated. Only when no tier has such an endpoint is the
-// lowest tier with any admitted endpoint used, so a retry after a failure
+// not report itself saturated. When no tier has such an endpoint, the lowest
+// tier with an admitted endpoint not to be avoided is used (its engine
+// saturated), else the lowest with any admitted endpoint; so a retry after a failure
 // overflows to the next tier when its own tier has nothing else, and a lone
 // failing tier can still be retried. A session mapped to an endpoint outside
 // the chosen tier counts as a miss: when the first tier recovers, sessions
@@ -63,22 +64,27 @@ func (a *Attempt) tierGroup(g *group, now int64) *group {
 	if g.tiers == nil {
 		return nil
 	}
-	var fallback *group
+	var saturated, avoided *group
 	for _, t := range g.tiers {
 		for _, e := range t.eps {
 			ok, avoid := a.admit(e, now, false)
-			if !ok {
-				continue
-			}
-			if !avoid && !a.s.engineSaturated(e) {
+			switch {
+			case !ok:
+			case avoid:
+				if avoided == nil {
+					avoided = t
+				}
+			case !a.s.engineSaturated(e):
 				return t
-			}
-			if fallback == nil {
-				fallback = t
+			case saturated == nil:
+				saturated = t
 			}
 		}
 	}
-	return fallback
+	if saturated != nil {
+		return saturated
+	}
+	return avoided
 }
 
 // setTierAndKeys applies ep's priority and keys to e, keeping the state of

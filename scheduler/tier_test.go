@@ -284,3 +284,20 @@ func BenchmarkPickTiers(b *testing.B) {
 		})
 	}
 }
+
+// An endpoint to avoid (failed in this request) loses to one in a higher
+// tier whose engine is saturated: avoidance comes before the tier order.
+func TestTierAvoidedBeforeSaturated(t *testing.T) {
+	s, _ := newTest(t, Config{}, tierEP("home", 0, 0), tierEP("cloud", 1, 0))
+	s.SetHealth("cloud", Health{Waiting: 3, KVCacheUsage: 1})
+	a := s.Begin(Request{Model: "m"})
+	c := mustPick(t, a)
+	if c.EndpointID != "home" {
+		t.Fatalf("first pick %s", c.EndpointID)
+	}
+	a.Report(c, fail500)
+	if c = mustPick(t, a); c.EndpointID != "cloud" {
+		t.Fatalf("retry: %s, want the saturated cloud over the failed home", c.EndpointID)
+	}
+	a.Report(c, ok200)
+}
