@@ -36,10 +36,11 @@ type Relay struct {
 	metrics *metrics
 	handler http.Handler
 
-	ops       *operator    // the operator's settings (operator.go)
-	providers *providerSet // provider endpoints (providers.go)
-	stats     *statsWindow // recent requests, for the status page (admin.go)
-	adminAddr atomic.Value // string: the admin listener's address
+	ops       *operator     // the operator's settings (operator.go)
+	providers *providerSet  // provider endpoints (providers.go)
+	stats     *statsWindow  // recent requests, for the status page (admin.go)
+	adminAddr atomic.Value  // string: the admin listener's address
+	rttKick   chan struct{} // wakes the RTT prober (admin.go), which runs only with a host
 
 	host    host.Host // nil with NoP2P
 	ownHost bool      // New created host, so Close closes it
@@ -77,13 +78,14 @@ func New(cfg Config) (*Relay, error) {
 		limits: newKeyLimits(cfg.KeyRPM, cfg.KeyConcurrency, cfg.Clock),
 		rt:     cfg.Transport,
 	}
+	r.rttKick = make(chan struct{}, 1)
 	r.reg = newRegistry(sched, r.log)
 	r.ops = newOperator(cfg.MaxAgentWeight)
 	r.reg.ops = r.ops
 	r.providers = newProviderSet(r)
 	r.stats = newStatsWindow()
 	r.metrics = newMetrics(r)
-	r.reg.onChange = r.metrics.updateRoutable
+	r.reg.onChange = func() { r.metrics.updateRoutable(); r.kickRTT() }
 	r.handler = http.HandlerFunc(r.serveHTTP)
 
 	if !cfg.NoP2P {
@@ -131,6 +133,7 @@ func New(cfg Config) (*Relay, error) {
 			// that have nothing to do with joining.
 			r.startP2PAdmission(peerRelays)
 		}
+		r.startRTT()
 		if !cfg.Gossip.Disabled {
 			if err := r.startGossip(); err != nil {
 				_ = r.Close()
