@@ -417,6 +417,17 @@ func TestProviderDiscoveryAndPath(t *testing.T) {
 	if paths[len(paths)-1] != "/v1/chat/completions" {
 		t.Fatalf("provider saw path %v", paths)
 	}
+	// The provider's cookies and account headers stay with the relay.
+	fp.set("good", func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Set-Cookie", "__cf_bm=operator-cookie")
+		w.Header().Set("Openai-Organization", "operator-org")
+		defaultEngine(w, r, body, "cloud")
+	})
+	resp = tb.do("POST", "/v1/chat/completions", `{"model":"m1","messages":[]}`)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || resp.Header.Get("Set-Cookie") != "" || resp.Header.Get("Openai-Organization") != "" {
+		t.Fatalf("provider headers reached the client: %d %v", resp.StatusCode, resp.Header)
+	}
 	// The client's relay key is never forwarded.
 	if got := fp.takeSeen(); slices.Contains(got, testKey) {
 		t.Fatalf("client key forwarded: %v", got)

@@ -37,11 +37,14 @@ const copyBufSize = 32 << 10
 var bufPool = sync.Pool{New: func() any { b := make([]byte, copyBufSize); return &b }}
 
 // hopHeaders are not forwarded (RFC 9110 section 7.6.1), nor are our own
-// routing headers when an agent sends them.
+// routing headers when an agent sends them, nor a provider's cookies.
 var hopHeaders = map[string]bool{
 	"Connection": true, "Keep-Alive": true, "Proxy-Connection": true, "Proxy-Authenticate": true,
 	"Proxy-Authorization": true, "Te": true, "Trailer": true, "Transfer-Encoding": true, "Upgrade": true,
 	http.CanonicalHeaderKey(HeaderAgent): true, http.CanonicalHeaderKey(HeaderAffinity): true,
+	// A provider's cookies and account names are the relay operator's,
+	// not the client's.
+	"Set-Cookie": true, "Openai-Organization": true, "Openai-Project": true,
 }
 
 // attemptResult is how one attempt ended.
