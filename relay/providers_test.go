@@ -677,3 +677,25 @@ func TestProviderRediscovery(t *testing.T) {
 		t.Fatalf("served by %s", agent)
 	}
 }
+
+// A provider's stream that breaks after its first byte ends with an error
+// event, as an agent's does.
+func TestProviderStreamBreaks(t *testing.T) {
+	fp := newFakeProvider(t, "cloud", []string{"m1"}, "k1")
+	fp.set("k1", func(w http.ResponseWriter, _ *http.Request, _ []byte) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n")
+		w.(http.Flusher).Flush()
+		panic(http.ErrAbortHandler)
+	})
+	tb, _ := providerBed(t, nil, fmt.Sprintf("endpoints:\n  - {name: cloud, url: %s, keys: [k1], models: [m1]}\n", fp.url()), nil)
+	resp := tb.do("POST", "/v1/chat/completions", `{"model":"m1","stream":true,"messages":[]}`)
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderAgent) != "cloud" {
+		t.Fatalf("status %d from %q", resp.StatusCode, resp.Header.Get(HeaderAgent))
+	}
+	events := readEvents(t, resp.Body)
+	if len(events) != 2 || !strings.Contains(events[1], `"upstream_failed"`) {
+		t.Fatalf("events %v: want the chunk, then an error event", events)
+	}
+}
