@@ -384,17 +384,6 @@ func (g *Registry) setUnresponsive(name string, p peer.ID, on bool) {
 	}
 }
 
-// upstream returns the URL host that reaches agent name and its peer.
-func (g *Registry) upstream(name string) (string, peer.ID, bool) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	e, ok := g.byName[name]
-	if !ok {
-		return "", "", false
-	}
-	return e.host, e.peer, true
-}
-
 // watchAck arms the acknowledgement bound of one attempt to agent name at
 // p: it returns the request context to use and a function to call once the
 // response's header arrived. Without a watch (no libp2p transport) ctx is

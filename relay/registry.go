@@ -34,6 +34,9 @@ type Registry struct {
 	// onChange, if set, is called (without mu held) after the routable set
 	// may have changed.
 	onChange func()
+	// ops, if set, holds the operator's settings that win over what agents
+	// declare, and the names reserved for provider endpoints (operator.go).
+	ops *operator
 
 	mu     sync.Mutex        // guards the following fields
 	byName map[string]*entry // agent name -> entry
@@ -166,6 +169,9 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	if info.Name == "" || len(info.Name) > maxNameLen {
 		return ErrBadName
 	}
+	if g.ops.isReserved(info.Name) {
+		return fmt.Errorf("%w: %q is a provider endpoint", ErrNameTaken, info.Name)
+	}
 	g.mu.Lock()
 	if e, ok := g.byName[info.Name]; ok && e.peer != p {
 		g.mu.Unlock()
@@ -193,8 +199,8 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	if oldName != "" {
 		g.sched.Remove(oldName)
 	}
-	g.sched.Upsert(e.endpoint())
-	g.sched.SetHealth(e.name, e.effectiveHealth())
+	g.sched.Upsert(g.endpoint(e))
+	g.sched.SetHealth(e.name, g.health(e))
 	g.mu.Unlock()
 
 	g.log.Info().Str("agent", info.Name).Stringer("peer", p).Strs("models", info.Models).
@@ -217,8 +223,8 @@ func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
 	info.Name = e.name
 	e.info = cloneInfo(info)
 	if !e.dead {
-		g.sched.Upsert(e.endpoint())
-		g.sched.SetHealth(e.name, e.effectiveHealth())
+		g.sched.Upsert(g.endpoint(e))
+		g.sched.SetHealth(e.name, g.health(e))
 	}
 	g.mu.Unlock()
 
@@ -256,7 +262,7 @@ func (g *Registry) SetHealth(name string, h scheduler.Health) {
 	if ok {
 		e.health = h
 		if !e.dead {
-			g.sched.SetHealth(name, e.effectiveHealth())
+			g.sched.SetHealth(name, g.health(e))
 		}
 	}
 	g.mu.Unlock()
@@ -277,8 +283,8 @@ func (g *Registry) SetDead(name string, dead bool) {
 		if dead {
 			g.sched.Remove(name)
 		} else {
-			g.sched.Upsert(e.endpoint())
-			g.sched.SetHealth(name, e.effectiveHealth())
+			g.sched.Upsert(g.endpoint(e))
+			g.sched.SetHealth(name, g.health(e))
 		}
 	}
 	g.mu.Unlock()
@@ -298,6 +304,18 @@ func (g *Registry) Peer(name string) (peer.ID, bool) {
 		return "", false
 	}
 	return e.peer, true
+}
+
+// upstreamHost returns the URL host that reaches agent name: its peer ID
+// in text form.
+func (g *Registry) upstreamHost(name string) (string, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e, ok := g.byName[name]
+	if !ok {
+		return "", false
+	}
+	return e.host, true
 }
 
 // Name returns the agent name peer p joined as.
