@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"strconv"
+	"sync"
 )
 
 // servedPaths are the OpenAI endpoints forwarded to the engine, with their
@@ -18,6 +19,25 @@ var servedPaths = map[string]string{
 	"/v1/models":           http.MethodGet,
 }
 
+// copyBuffers are ReverseProxy's response copy buffers, shared by all
+// agents of the process.
+var copyBuffers = &bufferPool{}
+
+// bufferPool is an httputil.BufferPool over a sync.Pool of 32 KiB buffers
+// (ReverseProxy's own size).
+type bufferPool struct{ p sync.Pool }
+
+// Get returns a 32 KiB buffer.
+func (b *bufferPool) Get() []byte {
+	if v, ok := b.p.Get().(*[]byte); ok {
+		return *v
+	}
+	return make([]byte, 32<<10)
+}
+
+// Put returns a buffer from Get.
+func (b *bufferPool) Put(buf []byte) { b.p.Put(&buf) }
+
 func (a *Agent) newProxy() http.Handler {
 	return &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
@@ -26,6 +46,10 @@ func (a *Agent) newProxy() http.Handler {
 			a.authorize(pr.Out.Header)
 		},
 		Transport: a.cfg.UpstreamTransport,
+		// Without a pool, ReverseProxy allocates a 32 KiB copy buffer per
+		// request: under load that was most of the agent's allocation and
+		// its GC most of the agent's CPU beyond the network itself.
+		BufferPool: copyBuffers,
 		// Server-sent events are flushed per write by ReverseProxy itself
 		// (it recognises text/event-stream and unknown lengths).
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {

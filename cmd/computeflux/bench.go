@@ -167,6 +167,7 @@ func runOverhead(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	fs.IntVar(&cfg.Rounds, "rounds", 3, "rounds; the table shows medians")
 	fs.StringVar(&cfg.LogLevel, "log-level", "info", "relay's and agent's --log-level")
 	fs.StringVar(&cfg.Binary, "binary", "", "computeflux `binary` to run as relay and agent (default: this one)")
+	fs.StringVar(&cfg.BaseBinary, "base-binary", "", "a second computeflux `binary` timed in the same run (before/after a change)")
 	fs.StringVar(&cfg.FRPS, "frps", "", "frps `binary` (default $"+bench.EnvFRPS+")")
 	fs.StringVar(&cfg.FRPC, "frpc", "", "frpc `binary` (default $"+bench.EnvFRPC+")")
 	fs.StringVar(&cfg.ProfileDir, "profile", "", "write CPU and allocation profiles of relay and agent under load to this `dir`")

@@ -43,6 +43,9 @@ type OverheadConfig struct {
 	// Binary is the computeflux binary run as relay and agent (default: the
 	// running executable).
 	Binary string
+	// BaseBinary, when set, is a second computeflux binary timed in the same
+	// run as path "computeflux-base": before and after a change, side by side.
+	BaseBinary string
 	// FRPS and FRPC are frp's server and client binaries (default: the
 	// COMPUTEFLUX_FRPS and COMPUTEFLUX_FRPC environment variables). frp is
 	// timed only when both are set.
@@ -199,12 +202,24 @@ func RunOverhead(ctx context.Context, cfg OverheadConfig) (*OverheadReport, erro
 	}
 
 	progress("starting relay and agent (%s)", cfg.Binary)
-	ct, cps, pprofAddrs, err := startComputeflux(ctx, cfg, dir, eng.url)
+	ct, cps, pprofAddrs, err := startComputeflux(ctx, cfg, dir, eng.url, "")
 	procs = append(procs, cps...)
 	if err != nil {
 		return nil, fmt.Errorf("computeflux: %w", err)
 	}
 	targets = append(targets, ct)
+	if cfg.BaseBinary != "" {
+		bc := cfg
+		bc.Binary, bc.ProfileDir = cfg.BaseBinary, ""
+		progress("starting base relay and agent (%s)", bc.Binary)
+		bt, bps, _, err := startComputeflux(ctx, bc, dir, eng.url, "base-")
+		procs = append(procs, bps...)
+		if err != nil {
+			return nil, fmt.Errorf("computeflux-base: %w", err)
+		}
+		bt.name = "computeflux-base"
+		targets = append(targets, bt)
+	}
 
 	for _, t := range targets {
 		tr := &http.Transport{
@@ -776,7 +791,7 @@ func startFRP(ctx context.Context, frps, frpc, dir string, enginePort int) ([]*t
 
 // startComputeflux starts a relay and one agent in front of the engine, as
 // processes of cfg.Binary, and waits until the relay routes to the agent.
-func startComputeflux(ctx context.Context, cfg OverheadConfig, dir, engineURL string) (*target, []*proc, map[string]string, error) {
+func startComputeflux(ctx context.Context, cfg OverheadConfig, dir, engineURL, prefix string) (*target, []*proc, map[string]string, error) {
 	if cfg.Binary == "" {
 		return nil, nil, nil, errors.New("no computeflux binary")
 	}
@@ -785,7 +800,7 @@ func startComputeflux(ctx context.Context, cfg OverheadConfig, dir, engineURL st
 		return nil, nil, nil, err
 	}
 	const token = "computeflux-bench-token"
-	addrFile := filepath.Join(dir, "relay.addrs")
+	addrFile := filepath.Join(dir, prefix+"relay.addrs")
 	pprofAddrs := map[string]string{}
 	env := func(name string) []string {
 		if cfg.ProfileDir == "" {
@@ -799,7 +814,7 @@ func startComputeflux(ctx context.Context, cfg OverheadConfig, dir, engineURL st
 		pprofAddrs[name] = a
 		return []string{EnvPprof + "=" + a}
 	}
-	r, err := startProc(ctx, "relay", dir, env("relay"), cfg.Binary, "relay",
+	r, err := startProc(ctx, prefix+"relay", dir, env("relay"), cfg.Binary, "relay",
 		"--listen", fmt.Sprintf("127.0.0.1:%d", httpPort),
 		"--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1",
 		"--token", token, "--no-auth", "--addr-file", addrFile,
@@ -812,7 +827,7 @@ func startComputeflux(ctx context.Context, cfg OverheadConfig, dir, engineURL st
 	if err != nil {
 		return nil, procs, nil, err
 	}
-	a, err := startProc(ctx, "agent", dir, env("agent"), cfg.Binary, "agent",
+	a, err := startProc(ctx, prefix+"agent", dir, env("agent"), cfg.Binary, "agent",
 		"--relay", relayAddr, "--token", token, "--upstream", engineURL,
 		"--name", "bench", "--ephemeral-identity",
 		"--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1",
