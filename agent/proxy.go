@@ -1,11 +1,14 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"net/http"
 	"net/http/httputil"
+	"reflect"
 	"strconv"
 	"sync"
 )
@@ -18,6 +21,10 @@ var servedPaths = map[string]string{
 	"/v1/embeddings":       http.MethodPost,
 	"/v1/models":           http.MethodGet,
 }
+
+// bufferedBodyType is the type of the request bodies transport.ServeHTTP
+// hands its handler: an io.NopCloser over a bytes.Reader.
+var bufferedBodyType = reflect.TypeOf(io.NopCloser(bytes.NewReader(nil)))
 
 // copyBuffers are ReverseProxy's response copy buffers, shared by all
 // agents of the process.
@@ -44,6 +51,15 @@ func (a *Agent) newProxy() http.Handler {
 			pr.SetURL(a.upstream)
 			pr.Out.URL.RawQuery = ""
 			a.authorize(pr.Out.Header)
+			if pr.In.ContentLength > 0 && reflect.TypeOf(pr.In.Body) == bufferedBodyType {
+				// ReverseProxy hides the body behind its own no-op Close
+				// wrapper, so net/http no longer sees that it is in
+				// memory and writes the request head and the body to the
+				// engine in two writes. The body buffered by
+				// transport.ServeHTTP has a no-op Close already: pass it
+				// as it is, and the request goes out in one.
+				pr.Out.Body = pr.In.Body
+			}
 		},
 		Transport: a.cfg.UpstreamTransport,
 		// Without a pool, ReverseProxy allocates a 32 KiB copy buffer per

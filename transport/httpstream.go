@@ -194,6 +194,29 @@ func NewRoundTripper(h host.Host) http.RoundTripper {
 
 type roundTripper struct {
 	t *http.Transport
+	// valid caches URL hosts known to be peer IDs: decoding one (base58
+	// and a multihash) on every request showed in the relay's profile.
+	valid  sync.Map // string -> struct{}
+	nValid atomic.Int32
+}
+
+// maxValidHosts bounds roundTripper.valid; past it the cache starts over.
+const maxValidHosts = 4096
+
+// checkHost reports whether host is a peer ID.
+func (rt *roundTripper) checkHost(host string) error {
+	if _, ok := rt.valid.Load(host); ok {
+		return nil
+	}
+	if _, err := peer.Decode(host); err != nil {
+		return err
+	}
+	if rt.nValid.Add(1) > maxValidHosts {
+		rt.valid.Clear()
+		rt.nValid.Store(1)
+	}
+	rt.valid.Store(host, struct{}{})
+	return nil
 }
 
 // RoundTrip implements http.RoundTripper.
@@ -204,7 +227,7 @@ func (rt *roundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		return nil, errors.New("transport: nil request URL")
 	}
-	if _, err := peer.Decode(req.URL.Hostname()); err != nil {
+	if err := rt.checkHost(req.URL.Hostname()); err != nil {
 		if req.Body != nil {
 			req.Body.Close()
 		}

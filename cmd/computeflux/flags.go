@@ -5,8 +5,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
 	"net/netip"
+	"os"
 	"strings"
 	"time"
 
