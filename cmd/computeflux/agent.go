@@ -21,6 +21,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	tuneGC(os.LookupEnv)
 	a, err := agent.New(cfg)
 	if err != nil {
 		return err

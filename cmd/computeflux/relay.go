@@ -20,6 +20,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	tuneGC(os.LookupEnv)
 	r, err := relay.New(cfg)
 	if err != nil {
 		return err
