@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptrace"
 	"net/textproto"
@@ -30,10 +31,15 @@ import (
 // peer. There is no proxy, no compression and no HTTP/2: the agent speaks
 // HTTP/1.1 on InferProtocol and nothing else.
 type streamTransport struct {
-	h host.Host
+	// key names the pool a request goes to (a peer ID, a host:port), or
+	// fails for a URL this transport does not serve.
+	key func(*http.Request) (string, error)
+	// dial opens a connection for key; its Close must abort at once (a
+	// stream reset, a TCP close).
+	dial func(ctx context.Context, key string) (net.Conn, error)
 
 	mu   sync.Mutex // guards idle and nValid
-	idle map[peer.ID][]*pooledStream
+	idle map[string][]*pooledStream
 
 	valid    sync.Map // URL host -> peer.ID, hosts known to be peer IDs
 	nValid   int      // entries in valid (approximate; guarded by mu)
@@ -41,9 +47,9 @@ type streamTransport struct {
 	idleTime time.Duration
 }
 
-// pooledStream is a client stream with its buffers.
+// pooledStream is a client stream (or connection) with its buffers.
 type pooledStream struct {
-	s         network.Stream
+	s         net.Conn
 	br        *bufio.Reader
 	bw        *bufio.Writer
 	idleSince time.Time
@@ -62,7 +68,59 @@ const (
 )
 
 func newStreamTransport(h host.Host) *streamTransport {
-	return &streamTransport{h: h, idle: map[peer.ID][]*pooledStream{}, maxIdle: maxIdlePerPeer, idleTime: idleStreamTimeout}
+	t := &streamTransport{idle: map[string][]*pooledStream{}, maxIdle: maxIdlePerPeer, idleTime: idleStreamTimeout}
+	t.key = func(req *http.Request) (string, error) {
+		p, err := t.peerOf(req.URL.Hostname())
+		if err != nil {
+			return "", fmt.Errorf("transport: URL host %q is not a peer ID: %w", req.URL.Hostname(), err)
+		}
+		return string(p), nil
+	}
+	t.dial = func(ctx context.Context, key string) (net.Conn, error) {
+		s, err := openStream(ctx, h, peer.ID(key))
+		if err != nil {
+			return nil, err
+		}
+		return &streamConn{Stream: s}, nil
+	}
+	return t
+}
+
+// NewHTTP1RoundTripper returns an http.RoundTripper for plain http:// URLs
+// (no proxy, no TLS, no HTTP/2, no compression) over connections from dial,
+// with the design of NewRoundTripper: the caller's goroutine writes the
+// request and reads the answer, with no reader and writer goroutines per
+// connection; a connection whose response was read to its end is kept for
+// the next request to the same host:port (at most 32 idle per host, 30 s);
+// a cancelled request or a body closed early closes its connection; a reused
+// connection that fails before any byte of an answer (the server closed it
+// while idle) is replaced once. A nil dial means a net.Dialer's.
+func NewHTTP1RoundTripper(dial func(ctx context.Context, network, addr string) (net.Conn, error)) http.RoundTripper {
+	if dial == nil {
+		dial = (&net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}).DialContext
+	}
+	t := &streamTransport{idle: map[string][]*pooledStream{}, maxIdle: maxIdlePerPeer, idleTime: idleStreamTimeout}
+	t.key = func(req *http.Request) (string, error) {
+		if req.URL.Scheme != "http" {
+			return "", fmt.Errorf("transport: unsupported scheme %q (plain http only)", req.URL.Scheme)
+		}
+		host, port := req.URL.Hostname(), req.URL.Port()
+		if host == "" {
+			return "", errors.New("transport: URL has no host")
+		}
+		if port == "" {
+			port = "80"
+		}
+		return net.JoinHostPort(host, port), nil
+	}
+	t.dial = func(ctx context.Context, key string) (net.Conn, error) {
+		c, err := dial(ctx, "tcp", key)
+		if err != nil {
+			return nil, fmt.Errorf("transport: dial %s: %w", key, err)
+		}
+		return c, nil
+	}
+	return t
 }
 
 // peerOf returns the peer ID a URL host names; decoding one (base58 and a
@@ -96,10 +154,10 @@ func (t *streamTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 		closeBody()
 		return nil, errors.New("transport: nil request URL")
 	}
-	pid, err := t.peerOf(req.URL.Hostname())
+	key, err := t.key(req)
 	if err != nil {
 		closeBody()
-		return nil, fmt.Errorf("transport: URL host %q is not a peer ID: %w", req.URL.Hostname(), err)
+		return nil, err
 	}
 	ctx := req.Context()
 	trace := httptrace.ContextClientTrace(ctx)
@@ -108,19 +166,19 @@ func (t *streamTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 			closeBody()
 			return nil, err
 		}
-		ps, reused := t.get(pid)
+		ps, reused := t.get(key)
 		if ps == nil {
-			s, err := openStream(ctx, t.h, pid)
+			c, err := t.dial(ctx, key)
 			if err != nil {
 				closeBody()
 				return nil, err
 			}
-			ps = &pooledStream{s: s, br: bufio.NewReader(s), bw: bufio.NewWriter(s)}
+			ps = &pooledStream{s: c, br: bufio.NewReader(c), bw: bufio.NewWriter(c)}
 		}
 		if trace != nil && trace.GotConn != nil {
-			trace.GotConn(httptrace.GotConnInfo{Conn: &streamConn{Stream: ps.s}, Reused: reused})
+			trace.GotConn(httptrace.GotConnInfo{Conn: ps.s, Reused: reused})
 		}
-		resp, err := t.exchange(ctx, req, ps, trace)
+		resp, err := t.exchange(ctx, req, key, ps, trace)
 		if err == nil {
 			return resp, nil
 		}
@@ -154,11 +212,11 @@ func (e *noResponseError) Unwrap() error { return e.err }
 // exchange writes req on ps and reads the response head; the body is read
 // by the caller through a streamBody, which returns ps to the pool at its
 // end. A cancelled context resets the stream at once, whatever is under way.
-func (t *streamTransport) exchange(ctx context.Context, req *http.Request, ps *pooledStream, trace *httptrace.ClientTrace) (*http.Response, error) {
-	stop := context.AfterFunc(ctx, func() { _ = ps.s.Reset() })
+func (t *streamTransport) exchange(ctx context.Context, req *http.Request, key string, ps *pooledStream, trace *httptrace.ClientTrace) (*http.Response, error) {
+	stop := context.AfterFunc(ctx, func() { _ = ps.s.Close() })
 	fail := func(err error) (*http.Response, error) {
 		stop()
-		_ = ps.s.Reset()
+		_ = ps.s.Close()
 		if cerr := ctx.Err(); cerr != nil {
 			return nil, cerr
 		}
@@ -200,7 +258,7 @@ func (t *streamTransport) exchange(ctx context.Context, req *http.Request, ps *p
 		resp = r
 		break
 	}
-	b := &streamBody{t: t, ctx: ctx, ps: ps, pid: ps.s.Conn().RemotePeer(), stop: stop, rc: resp.Body, keep: !resp.Close && resp.StatusCode != http.StatusSwitchingProtocols}
+	b := &streamBody{t: t, ctx: ctx, ps: ps, key: key, stop: stop, rc: resp.Body, keep: !resp.Close && resp.StatusCode != http.StatusSwitchingProtocols}
 	if resp.Body == http.NoBody || resp.Body == nil {
 		b.rc = http.NoBody
 		b.finish(true)
@@ -214,7 +272,7 @@ type streamBody struct {
 	t    *streamTransport
 	ctx  context.Context
 	ps   *pooledStream
-	pid  peer.ID
+	key  string
 	stop func() bool
 	rc   io.ReadCloser
 	keep bool // the stream may carry another request after this one
@@ -256,54 +314,54 @@ func (b *streamBody) finish(clean bool) {
 	b.mu.Unlock()
 	// stop is false once the context's reset ran (or is running).
 	if !b.stop() || !clean || !b.keep || b.ps.br.Buffered() > 0 {
-		_ = b.ps.s.Reset()
+		_ = b.ps.s.Close()
 		return
 	}
-	b.t.put(b.pid, b.ps)
+	b.t.put(b.key, b.ps)
 }
 
-// get returns an idle stream to pid, newest first, dropping expired ones.
-func (t *streamTransport) get(pid peer.ID) (*pooledStream, bool) {
+// get returns an idle stream for key, newest first, dropping expired ones.
+func (t *streamTransport) get(key string) (*pooledStream, bool) {
 	now := time.Now()
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	l := t.idle[pid]
+	l := t.idle[key]
 	for len(l) > 0 {
 		ps := l[len(l)-1]
 		l[len(l)-1] = nil
 		l = l[:len(l)-1]
 		if now.Sub(ps.idleSince) < t.idleTime {
-			t.idle[pid] = l
+			t.idle[key] = l
 			return ps, true
 		}
-		_ = ps.s.Reset()
+		_ = ps.s.Close()
 	}
-	delete(t.idle, pid)
+	delete(t.idle, key)
 	return nil, false
 }
 
 // put returns a stream whose exchange ended cleanly to the idle pool.
-func (t *streamTransport) put(pid peer.ID, ps *pooledStream) {
+func (t *streamTransport) put(key string, ps *pooledStream) {
 	ps.idleSince = time.Now()
 	t.mu.Lock()
-	if len(t.idle[pid]) >= t.maxIdle {
+	if len(t.idle[key]) >= t.maxIdle {
 		t.mu.Unlock()
-		_ = ps.s.Reset()
+		_ = ps.s.Close()
 		return
 	}
-	t.idle[pid] = append(t.idle[pid], ps)
+	t.idle[key] = append(t.idle[key], ps)
 	t.mu.Unlock()
 }
 
-// CloseIdleConnections resets the idle streams of the pool.
+// CloseIdleConnections closes (resets) the idle streams of the pool.
 func (t *streamTransport) CloseIdleConnections() {
 	t.mu.Lock()
 	idle := t.idle
-	t.idle = map[peer.ID][]*pooledStream{}
+	t.idle = map[string][]*pooledStream{}
 	t.mu.Unlock()
 	for _, l := range idle {
 		for _, ps := range l {
-			_ = ps.s.Reset()
+			_ = ps.s.Close()
 		}
 	}
 }
