@@ -72,6 +72,9 @@ type Config struct {
 	// Gossip configures membership gossip among the relay and its agents;
 	// the zero value runs it with the home preset (see GossipConfig).
 	Gossip GossipConfig
+	// Peers configures session sharing with peer relays (peers.go); the
+	// zero value shares with the relays the agents name.
+	Peers PeersConfig
 
 	// APIKeys are the client keys accepted as "Authorization: Bearer KEY".
 	// The relay refuses to start without keys unless NoAuth is set.

@@ -34,6 +34,9 @@ type Registry struct {
 	// onChange, if set, is called (without mu held) after the routable set
 	// may have changed.
 	onChange func()
+	// onRelays, if set, is called (without mu held) with the relays a
+	// joining or updating agent names (peers.go).
+	onRelays func([]string)
 
 	mu     sync.Mutex        // guards the following fields
 	byName map[string]*entry // agent name -> entry
@@ -196,6 +199,9 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	g.log.Info().Str("agent", info.Name).Stringer("peer", p).Strs("models", info.Models).
 		Int("capacity", info.Capacity).Bool("draining", info.Draining).Msg("agent joined")
 	g.changed()
+	if g.onRelays != nil && len(info.Relays) > 0 {
+		g.onRelays(info.Relays)
+	}
 	return nil
 }
 
@@ -212,6 +218,7 @@ func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
 	}
 	info.Name = e.name
 	e.info = cloneInfo(info)
+	relays := info.Relays
 	if !e.dead {
 		g.sched.Upsert(e.endpoint())
 		g.sched.SetHealth(e.name, e.effectiveHealth())
@@ -221,6 +228,9 @@ func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
 	g.log.Info().Str("agent", info.Name).Strs("models", info.Models).Int("capacity", info.Capacity).
 		Bool("draining", info.Draining).Msg("agent updated")
 	g.changed()
+	if g.onRelays != nil && len(relays) > 0 {
+		g.onRelays(relays)
+	}
 }
 
 // Left removes the agent that peer p joined as and frees its name.
@@ -380,5 +390,6 @@ func (e *entry) effectiveHealth() scheduler.Health {
 
 func cloneInfo(info transport.JoinInfo) transport.JoinInfo {
 	info.Models = slices.Clone(info.Models)
+	info.Relays = slices.Clone(info.Relays)
 	return info
 }
