@@ -128,6 +128,8 @@ type PeerStats struct {
 	Bound uint64
 	// Sessions is the number of bindings the relay's binding table holds.
 	Sessions int
+	// Refused counts inbound peer streams that failed the handshake.
+	Refused uint64
 }
 
 // peerManager is the relay's side of binding sharing.
@@ -147,7 +149,7 @@ type peerManager struct {
 	started bool // links learned before start wait for it
 	closed  bool // stop was called: no new goroutines
 
-	sent, recv, bytesSent, bytesRecv, bound atomic.Uint64
+	sent, recv, bytesSent, bytesRecv, bound, refused atomic.Uint64
 }
 
 // peerLink is one peer relay and the updates queued for it.
@@ -496,6 +498,7 @@ func (pm *peerManager) handle(s network.Stream) {
 	cr := bufio.NewReader(&countingReader{r: s, n: &pm.bytesRecv})
 	_ = s.SetDeadline(time.Now().Add(peerIOTimeout))
 	if err := pm.proveReader(cr, cw, p); err != nil {
+		pm.refused.Add(1)
 		pm.r.log.Warn().Err(err).Stringer("peer", p).Msg("peer relay refused")
 		return
 	}
@@ -542,7 +545,7 @@ func (pm *peerManager) stats() PeerStats {
 	st := PeerStats{
 		BindingsSent: pm.sent.Load(), BindingsReceived: pm.recv.Load(),
 		BytesSent: pm.bytesSent.Load(), BytesReceived: pm.bytesRecv.Load(),
-		Bound: pm.bound.Load(), Sessions: pm.table.Len(),
+		Bound: pm.bound.Load(), Sessions: pm.table.Len(), Refused: pm.refused.Load(),
 	}
 	pm.mu.Lock()
 	for _, l := range pm.links {

@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/libp2p/go-libp2p/core/peer"
+
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay"
 )
@@ -311,4 +313,42 @@ func TestPeerRelayRestartRebuildsBindings(t *testing.T) {
 	if hits != sessions {
 		t.Errorf("%d/%d sessions hit after the restart; missed %v", hits, sessions, wrong)
 	}
+}
+
+// TestPeerRelaySeedAndSecret seeds a relay with --peer-relay addresses:
+// the peer with the same secret shares sessions, the one with another
+// secret is refused on both sides.
+func TestPeerRelaySeedAndSecret(t *testing.T) {
+	a := startPeerRelay(t, "/ip4/127.0.0.1/udp/0/quic-v1", "", "relay-a")
+	other := serveRelay(t, relay.Config{
+		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
+		Token:     []byte("another secret"),
+		NoAuth:    true,
+		Logger:    gTestLogger(t, "relay-other"),
+		Gossip:    relay.GossipConfig{Tune: gFastTune, LeaveTimeout: time.Second},
+	})
+	b := serveRelay(t, relay.Config{
+		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
+		Token:     []byte(gToken),
+		NoAuth:    true,
+		Logger:    gTestLogger(t, "relay-b"),
+		Gossip:    relay.GossipConfig{Tune: gFastTune, LeaveTimeout: time.Second},
+		Peers:     relay.PeersConfig{Relays: []peer.AddrInfo{a.info(), other.info()}},
+	})
+	gPoll(t, 30*time.Second, "the seeded peer relays to share sessions", func() bool {
+		return len(a.r.PeerRelays()) == 1 && len(b.r.PeerRelays()) == 1
+	})
+	gPoll(t, 30*time.Second, "the relay with another secret to refuse", func() bool {
+		return other.r.PeerStats().Refused > 0
+	})
+	if got := b.r.PeerRelays(); got[0] != a.r.Host().ID() {
+		t.Errorf("b shares with %v", got)
+	}
+	if n := len(other.r.PeerRelays()); n != 0 {
+		t.Errorf("the relay with another secret shares with %d relays", n)
+	}
+	// The seeded pair gossips as one cluster.
+	gPoll(t, 30*time.Second, "a and b in one gossip cluster", func() bool {
+		return a.r.Gossip().Known(b.r.Host().ID()) && b.r.Gossip().Known(a.r.Host().ID())
+	})
 }
