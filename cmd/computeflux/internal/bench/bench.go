@@ -149,6 +149,15 @@ type Config struct {
 	MaxAttempts int
 	// Scheduler tunes the scheduler; Policy, Clock and Seed are set per run.
 	Scheduler scheduler.Config
+	// Relays is the number of relays requests are spread over at random
+	// (sim: one scheduler per relay sharing bindings as relays do; live:
+	// real relays, every agent joined to all). 0 means 1.
+	Relays int
+	// PeerDelay is the model time a binding takes from one relay to the
+	// others in sim mode. 0 means DefaultPeerDelay.
+	PeerDelay time.Duration
+	// Keyless sends the chat workload without session keys.
+	Keyless bool
 	// TimeScale speeds live engines up (live mode). Default 10.
 	TimeScale float64
 	// Parallel runs the live policies at the same time, each on its own
@@ -194,6 +203,12 @@ func (c *Config) populate() {
 	}
 	if c.Engine.BlockSize == 0 {
 		c.Engine.BlockSize = simengine.DefaultBlockSize
+	}
+	if c.Relays <= 0 {
+		c.Relays = 1
+	}
+	if c.PeerDelay <= 0 {
+		c.PeerDelay = DefaultPeerDelay
 	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = 3

@@ -1,0 +1,44 @@
+package bench
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/computeflux/computeflux/scheduler"
+)
+
+// TestSimRelaysShareBindings spreads the chat workload over 4 relays: with
+// bindings shared, sticky keeps its one-relay hit ratio; with relays that
+// share nothing (a binding that never arrives), it falls.
+func TestSimRelaysShareBindings(t *testing.T) {
+	w, err := Chat(ChatConfig{Sessions: 60}, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := func(relays int, delay time.Duration) Result {
+		t.Helper()
+		cfg := simConfig(Config{Engines: 4, Relays: relays, PeerDelay: delay, Seed: 3})
+		res, err := runSim(context.Background(), cfg, w, scheduler.PolicySticky)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Errors != 0 {
+			t.Fatalf("%d relays: %d errors", relays, res.Errors)
+		}
+		return res
+	}
+	one, four := run(1, 0), run(4, 0)
+	isolated := run(4, 1000*time.Hour) // bindings arrive after the run
+	t.Logf("hit: one relay %.1f%%, four sharing %.1f%% (%d updates, %.0f B/s per relay), four isolated %.1f%%",
+		100*one.HitRatio, 100*four.HitRatio, four.BindingUpdates, four.BindingBytesPerSec, 100*isolated.HitRatio)
+	if four.HitRatio < 0.98*one.HitRatio {
+		t.Errorf("four relays hit %.3f, below 98%% of one relay's %.3f", four.HitRatio, one.HitRatio)
+	}
+	if isolated.HitRatio > four.HitRatio-0.05 {
+		t.Errorf("isolated relays hit %.3f, near sharing relays' %.3f: the test shows nothing", isolated.HitRatio, four.HitRatio)
+	}
+	if four.Relays != 4 || four.BindingUpdates == 0 || one.Relays != 0 {
+		t.Errorf("relay fields: %+v / %+v", four, one)
+	}
+}
