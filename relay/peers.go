@@ -830,3 +830,34 @@ func (r *Relay) shareBinding(session, ep string) {
 		r.peers.local(session, ep)
 	}
 }
+
+// warmUpQuiet is how long without a new agent join ends the warm-up.
+const warmUpQuiet = 250 * time.Millisecond
+
+// warmUp waits (up to cfg.WarmUp, or until ctx ends) until agents have
+// rejoined: one routable, and none joining for warmUpQuiet.
+func (r *Relay) warmUp(ctx context.Context) {
+	if r.cfg.WarmUp <= 0 {
+		return
+	}
+	start := time.Now()
+	deadline := start.Add(r.cfg.WarmUp)
+	t := time.NewTicker(10 * time.Millisecond)
+	defer t.Stop()
+	last, lastChange := -1, start
+	for time.Now().Before(deadline) {
+		n := r.reg.routable()
+		if n != last {
+			last, lastChange = n, time.Now()
+		}
+		if n > 0 && time.Since(lastChange) >= warmUpQuiet {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+	r.log.Info().Int("agents", last).Dur("took", time.Since(start)).Msg("warm-up over; accepting clients")
+}

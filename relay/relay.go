@@ -210,6 +210,7 @@ func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
 		ErrorLog:          stdlog.New(r.log.With().Str("source", "http").Logger(), "", 0),
 	}
 	r.log.Info().Str("addr", ln.Addr().String()).Msg("relay http listening")
+	r.warmUp(ctx)
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {
