@@ -66,7 +66,7 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.StringVar(&policies, "policies", "all", "comma-separated `policies`: sticky, round-robin, random, least-loaded, consistent-hash, or all")
 	fs.StringVar(&scenarios, "scenario", "steady", "comma-separated `scenarios`: steady, degraded, failure, join, skew, or all")
 	fs.IntVar(&cfg.Engines, "engines", 4, "number of engines, each with its agent")
-	fs.IntVar(&cfg.Relays, "relays", 1, "relays the requests are spread over at random (sim: schedulers sharing session bindings as relays do; live: real relays, every agent joined to all)")
+	fs.IntVar(&cfg.Relays, "relays", 0, "relays the requests are spread over at random (sim: schedulers sharing session bindings as relays do; live: real relays, every agent joined to all; 0: one relay, live on the classic cluster)")
 	fs.DurationVar(&cfg.PeerDelay, "peer-delay", 0, "sim: model time a session binding takes to reach the other relays (default 15ms)")
 	fs.BoolVar(&cfg.Keyless, "keyless", false, "send the chat workload without session keys")
 	fs.IntVar(&cfg.Chat.Sessions, "sessions", 0, "chat sessions (default 30 per engine)")
