@@ -3,6 +3,8 @@ package scheduler
 import (
 	"fmt"
 	"math/rand/v2"
+	"os"
+	"runtime"
 	"testing"
 	"time"
 )
@@ -187,5 +189,41 @@ func BenchmarkBindingTableLocal(b *testing.B) {
 	for i := 0; b.Loop(); i++ {
 		now = now.Add(time.Microsecond)
 		tb.Local(keys[i%len(keys)], "agent-1", now)
+	}
+}
+
+// TestBindingTableMemory measures the heap a full table takes
+// (COMPUTEFLUX_MEMORY=1 go test -run TestBindingTableMemory -v ./scheduler/).
+func TestBindingTableMemory(t *testing.T) {
+	if os.Getenv("COMPUTEFLUX_MEMORY") == "" {
+		t.Skip("set COMPUTEFLUX_MEMORY=1 to measure")
+	}
+	const n = 100_000
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("s%06d-%08x", i, uint32(i*2654435761))
+	}
+	heap := func() uint64 {
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		return ms.HeapAlloc
+	}
+	before := heap()
+	tb := NewBindingTable(0, n)
+	for i, k := range keys {
+		tb.Local(k, fmt.Sprint("agent-", i%100), t0.Add(time.Duration(i)*time.Microsecond))
+	}
+	after := heap()
+	// A flood of new keys past the bound keeps it at the bound.
+	for i := range 3 * n {
+		tb.Local(fmt.Sprint("flood-", i), "agent-1", t0.Add(time.Second+time.Duration(i)*time.Microsecond))
+	}
+	flooded := heap()
+	runtime.KeepAlive(keys)
+	t.Logf("%d bindings: %.1f MiB, %d bytes each (keys included); after %d more keys: %d held, %.1f MiB",
+		n, float64(after-before)/(1<<20), (after-before)/n, 3*n, tb.Len(), float64(flooded-before)/(1<<20))
+	if tb.Len() != n {
+		t.Errorf("len %d after the flood, want %d", tb.Len(), n)
 	}
 }
