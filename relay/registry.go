@@ -37,6 +37,9 @@ type Registry struct {
 	// onRelays, if set, is called (without mu held) with the relays a
 	// joining or updating agent names (peers.go).
 	onRelays func([]string)
+	// ops, if set, holds the operator's settings that win over what agents
+	// declare, and the names reserved for provider endpoints (operator.go).
+	ops *operator
 
 	mu     sync.Mutex        // guards the following fields
 	byName map[string]*entry // agent name -> entry
@@ -165,6 +168,9 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	if info.Name == "" || len(info.Name) > maxNameLen {
 		return ErrBadName
 	}
+	if g.ops.isReserved(info.Name) {
+		return fmt.Errorf("%w: %q is a provider endpoint", ErrNameTaken, info.Name)
+	}
 	g.mu.Lock()
 	if e, ok := g.byName[info.Name]; ok && e.peer != p {
 		g.mu.Unlock()
@@ -192,8 +198,8 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	if oldName != "" {
 		g.sched.Remove(oldName)
 	}
-	g.sched.Upsert(e.endpoint())
-	g.sched.SetHealth(e.name, e.effectiveHealth())
+	g.sched.Upsert(g.endpoint(e))
+	g.sched.SetHealth(e.name, g.health(e))
 	g.mu.Unlock()
 
 	g.log.Info().Str("agent", info.Name).Stringer("peer", p).Strs("models", info.Models).
@@ -220,8 +226,8 @@ func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
 	e.info = cloneInfo(info)
 	relays := info.Relays
 	if !e.dead {
-		g.sched.Upsert(e.endpoint())
-		g.sched.SetHealth(e.name, e.effectiveHealth())
+		g.sched.Upsert(g.endpoint(e))
+		g.sched.SetHealth(e.name, g.health(e))
 	}
 	g.mu.Unlock()
 
@@ -262,7 +268,7 @@ func (g *Registry) SetHealth(name string, h scheduler.Health) {
 	if ok {
 		e.health = h
 		if !e.dead {
-			g.sched.SetHealth(name, e.effectiveHealth())
+			g.sched.SetHealth(name, g.health(e))
 		}
 	}
 	g.mu.Unlock()
@@ -283,8 +289,8 @@ func (g *Registry) SetDead(name string, dead bool) {
 		if dead {
 			g.sched.Remove(name)
 		} else {
-			g.sched.Upsert(e.endpoint())
-			g.sched.SetHealth(name, e.effectiveHealth())
+			g.sched.Upsert(g.endpoint(e))
+			g.sched.SetHealth(name, g.health(e))
 		}
 	}
 	g.mu.Unlock()
