@@ -48,6 +48,7 @@ type Relay struct {
 
 	gossip *relayGossip // nil when gossip is off or without a host
 	live   *liveness    // request-path liveness; nil without our own libp2p round tripper
+	peers  *peerManager // nil when sharing with peer relays is off or without a host
 	// draining is set once the relay starts stopping; gossip publishes it.
 	draining atomic.Bool
 	// bgCtx ends when Close starts; bgWG waits for the goroutines it bounds.
@@ -116,6 +117,11 @@ func New(cfg Config) (*Relay, error) {
 			}
 			r.host, r.ownHost = h, true
 		}
+		if !cfg.Peers.Disabled {
+			// Before the join service: agents' relay lists feed it.
+			r.peers = newPeerManager(r)
+			r.reg.onRelays = r.peers.hint
+		}
 		join, err := transport.ServeJoin(r.host, cfg.Token, r.reg)
 		if err != nil {
 			if r.ownHost {
@@ -141,6 +147,10 @@ func New(cfg Config) (*Relay, error) {
 				return nil, err
 			}
 			r.metrics.reg.MustRegister(gossipCollector{r})
+		}
+		if r.peers != nil {
+			r.peers.start()
+			r.metrics.reg.MustRegister(peerCollector{r.peers})
 		}
 		if r.rt == nil {
 			r.rt = transport.NewRoundTripper(r.host)
@@ -232,6 +242,7 @@ func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
 	}
 	defer stopAdmin()
 	r.log.Info().Str("addr", ln.Addr().String()).Msg("relay http listening")
+	r.warmUp(ctx)
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {
@@ -265,9 +276,16 @@ func (r *Relay) Close() error {
 			r.bgCancel()
 			r.bgWG.Wait()
 		}
+		if r.peers != nil {
+			r.peers.stop()
+		}
 		r.providers.close()
 		if r.gossip != nil {
 			errs = append(errs, r.gossip.shutdown())
+		}
+		if r.peers != nil {
+			// After gossip: a gossip join in progress returns at its shutdown.
+			r.peers.wait()
 		}
 		if r.join != nil {
 			errs = append(errs, r.join.Close())
