@@ -309,21 +309,30 @@ func (s *gossipSender) run() {
 		}
 		if st == nil {
 			var err error
+			began := time.Now()
 			st, err = t.openStream(t.ctx, s.p, GossipPacketProtocol, gossipDialTimeout)
 			if err != nil {
 				failedAt = time.Now()
 				t.c.packetsDropped.Add(1)
-				t.log.Debug().Err(err).Str("peer", s.p.String()).Msg("gossip packet stream")
+				t.log.Warn().Err(err).Str("peer", s.p.String()).Dur("took", time.Since(began)).Msg("gossip packet stream open failed; packet dropped")
 				continue
 			}
 			failedAt = time.Time{}
+			t.log.Debug().Str("peer", s.p.String()).Bool("relayed", IsRelayedConn(st.Conn())).
+				Str("conn", st.Conn().ID()).Dur("took", time.Since(began)).Msg("gossip packet stream opened")
 		}
-		_ = st.SetWriteDeadline(time.Now().Add(gossipWriteTimeout))
+		began := time.Now()
+		_ = st.SetWriteDeadline(began.Add(gossipWriteTimeout))
 		if _, err := st.Write(frame); err != nil {
+			t.c.packetsDropped.Add(1)
+			t.log.Warn().Err(err).Str("peer", s.p.String()).Bool("relayed", IsRelayedConn(st.Conn())).
+				Str("conn", st.Conn().ID()).Dur("took", time.Since(began)).Msg("gossip packet write failed; packet dropped")
 			st.Reset()
 			st = nil
-			t.c.packetsDropped.Add(1)
 			continue
+		}
+		if d := time.Since(began); d > 200*time.Millisecond {
+			t.log.Debug().Str("peer", s.p.String()).Bool("relayed", IsRelayedConn(st.Conn())).Dur("took", d).Msg("gossip packet write slow")
 		}
 		t.c.packetsSent.Add(1)
 		t.c.bytesSent.Add(uint64(len(frame) - 2))
@@ -397,6 +406,8 @@ func (t *GossipTransport) handlePacketStream(st network.Stream) {
 			if errors.Is(err, io.EOF) {
 				st.Close()
 			} else {
+				t.log.Debug().Err(err).Str("peer", from.p.String()).Bool("relayed", IsRelayedConn(st.Conn())).
+					Str("conn", st.Conn().ID()).Msg("gossip packet stream from peer ended")
 				st.Reset()
 			}
 			return
