@@ -307,32 +307,39 @@ func (s *gossipSender) run() {
 			t.c.packetsDropped.Add(1)
 			continue
 		}
-		if st == nil {
-			var err error
-			began := time.Now()
-			st, err = t.openStream(t.ctx, s.p, GossipPacketProtocol, gossipDialTimeout)
-			if err != nil {
+		fresh := st == nil
+		if fresh {
+			if st = s.open(); st == nil {
 				failedAt = time.Now()
-				t.c.packetsDropped.Add(1)
-				t.log.Warn().Err(err).Str("peer", s.p.String()).Dur("took", time.Since(began)).Msg("gossip packet stream open failed; packet dropped")
 				continue
 			}
 			failedAt = time.Time{}
-			t.log.Debug().Str("peer", s.p.String()).Bool("relayed", IsRelayedConn(st.Conn())).
-				Str("conn", st.Conn().ID()).Dur("took", time.Since(began)).Msg("gossip packet stream opened")
 		}
-		began := time.Now()
-		_ = st.SetWriteDeadline(began.Add(gossipWriteTimeout))
-		if _, err := st.Write(frame); err != nil {
+		err := s.write(st, frame)
+		if err != nil && !fresh && !isTimeout(err) {
+			// The stream died after its last frame: the peer reset it
+			// (it did not admit us yet, say, because it had not heard of
+			// us when it came) or its connection closed. The peer learns
+			// nothing of a frame a write refuses, so resend it, once, on a
+			// new stream, instead of losing a probe or its ack. A write
+			// that timed out is not resent: its connection is stalled, and
+			// a new stream would most likely ride the same one.
+			t.log.Debug().Err(err).Str("peer", s.p.String()).Bool("relayed", IsRelayedConn(st.Conn())).
+				Str("conn", st.Conn().ID()).Msg("gossip packet stream lost; resending on a new stream")
+			st.Reset()
+			if st = s.open(); st == nil {
+				failedAt = time.Now()
+				continue
+			}
+			err = s.write(st, frame)
+		}
+		if err != nil {
 			t.c.packetsDropped.Add(1)
 			t.log.Warn().Err(err).Str("peer", s.p.String()).Bool("relayed", IsRelayedConn(st.Conn())).
-				Str("conn", st.Conn().ID()).Dur("took", time.Since(began)).Msg("gossip packet write failed; packet dropped")
+				Str("conn", st.Conn().ID()).Msg("gossip packet write failed; packet dropped")
 			st.Reset()
 			st = nil
 			continue
-		}
-		if d := time.Since(began); d > 200*time.Millisecond {
-			t.log.Debug().Str("peer", s.p.String()).Bool("relayed", IsRelayedConn(st.Conn())).Dur("took", d).Msg("gossip packet write slow")
 		}
 		t.c.packetsSent.Add(1)
 		t.c.bytesSent.Add(uint64(len(frame) - 2))
@@ -341,6 +348,39 @@ func (s *gossipSender) run() {
 			st = nil
 		}
 	}
+}
+
+// open opens the packet stream to the sender's peer, or counts the packet
+// in hand as dropped and returns nil.
+func (s *gossipSender) open() network.Stream {
+	t := s.t
+	began := time.Now()
+	st, err := t.openStream(t.ctx, s.p, GossipPacketProtocol, gossipDialTimeout)
+	if err != nil {
+		t.c.packetsDropped.Add(1)
+		t.log.Warn().Err(err).Str("peer", s.p.String()).Dur("took", time.Since(began)).Msg("gossip packet stream open failed; packet dropped")
+		return nil
+	}
+	t.log.Debug().Str("peer", s.p.String()).Bool("relayed", IsRelayedConn(st.Conn())).
+		Str("conn", st.Conn().ID()).Dur("took", time.Since(began)).Msg("gossip packet stream opened")
+	return st
+}
+
+// isTimeout reports whether err is a deadline that passed.
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// write writes one frame on st within gossipWriteTimeout.
+func (s *gossipSender) write(st network.Stream, frame []byte) error {
+	began := time.Now()
+	_ = st.SetWriteDeadline(began.Add(gossipWriteTimeout))
+	_, err := st.Write(frame)
+	if d := time.Since(began); err == nil && d > 200*time.Millisecond {
+		s.t.log.Debug().Str("peer", s.p.String()).Bool("relayed", IsRelayedConn(st.Conn())).Dur("took", d).Msg("gossip packet write slow")
+	}
+	return err
 }
 
 // openStream opens a gossip stream to p, over a relayed connection if that is
