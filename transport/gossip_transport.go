@@ -91,7 +91,9 @@ type gossipCounters struct {
 // derived from the peer ID (see GossipAddr) and is never dialed. Packets
 // travel as length-prefixed frames on one long-lived GossipPacketProtocol
 // stream per peer and direction, written by a per-peer goroutine behind a
-// bounded queue, so memberlist never blocks on the network; streams are
+// bounded queue, so memberlist never blocks on the network (a packet whose
+// write finds the stream dead, reset by the peer or with its connection, is
+// sent again once on a new stream); streams are
 // GossipStreamProtocol streams. Both run over limited (relayed) connections.
 type GossipTransport struct {
 	h        host.Host
