@@ -24,8 +24,8 @@ type prefixIndex struct {
 	free   []uint32          // free set ids
 	single []uint32          // slot -> the id of the set holding only that slot (0: none yet)
 
-	byID  map[string]*epIndex
-	slots []*epIndex // by slot; nil when free
+	byID     map[string]*epIndex
+	slots    []*epIndex // by slot; nil when free
 	slotFree []uint16
 
 	scratch []uint16
