@@ -381,12 +381,16 @@ func (p *prefixIndex) overlaps(chain []uint64, gen uint64, now int64) int {
 		if nid != 0 {
 			nm = p.sets[nid].members
 		}
-		// ext ∩ nm; the rest stop at next.
-		k := 0
+		// ext ∩ nm (both sorted: one merge); the rest stop at next.
+		k, j := 0, 0
 		for _, s := range ext {
-			if _, in := slices.BinarySearch(nm, s); in {
+			for j < len(nm) && nm[j] < s {
+				j++
+			}
+			if j < len(nm) && nm[j] == s {
 				ext[k] = s
 				k++
+				j++
 			} else {
 				set(p.slots[s], next)
 			}
