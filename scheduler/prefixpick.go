@@ -94,7 +94,7 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 	minSLoad, minBacklog := -1.0, -1.0
 	for _, e := range g.eps {
 		ok, avoid := e.br == BreakerClosed && clean && !e.disabled && !e.removed && e != a.mapped &&
-			!e.health.Draining && (e.capacity == 0 || e.inFlight < e.capacity), e.health.Suspect
+			!e.health.Draining && (e.capacity == 0 || e.inFlight < e.capacity) && e.keys == nil, e.health.Suspect
 		if !ok {
 			ok, avoid = a.admit(e, now, false)
 		}
