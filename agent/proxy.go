@@ -25,7 +25,8 @@ func (a *Agent) newProxy() http.Handler {
 			pr.Out.URL.RawQuery = ""
 			a.authorize(pr.Out.Header)
 		},
-		Transport: a.cfg.UpstreamTransport,
+		Transport:      a.cfg.UpstreamTransport,
+		ModifyResponse: a.observeResponse, // prefix index (usage.go)
 		// Server-sent events are flushed per write by ReverseProxy itself
 		// (it recognises text/event-stream and unknown lengths).
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
@@ -64,6 +65,9 @@ func (a *Agent) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Retry-After", "1")
 		writeError(w, http.StatusTooManyRequests, "agent_busy", "this agent is at its concurrency limit of "+strconv.Itoa(max))
 		return
+	}
+	if method == http.MethodPost && r.URL.Path != "/v1/embeddings" {
+		r = a.indexRequest(r) // prefix index (usage.go)
 	}
 	a.proxy.ServeHTTP(w, r)
 }

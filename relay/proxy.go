@@ -67,7 +67,9 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	session := sessionKey(req, rt)
 	rl.model, rl.stream, rl.session = rt.model, rt.stream, session != ""
 
-	att := r.sched.Begin(scheduler.Request{Model: rt.model, SessionKey: session})
+	blocks := r.promptBlocks(body) // prefix.go
+	defer releaseBlocks(blocks)
+	att := r.sched.Begin(scheduler.Request{Model: rt.model, SessionKey: session, Prefix: *blocks})
 	var (
 		lastErr        error
 		failures       int
@@ -92,6 +94,9 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 			r.metrics.retries.Inc()
 		}
 		rl.attempts = n + 1
+		if n == 0 {
+			r.metrics.index.observePick(len(*blocks), c.CachedBlocks)
+		}
 		rl.agent, rl.affinity = c.EndpointID, c.Affinity.String()
 		res := r.attempt(w, req, body, att, c, rl)
 		if res.committed {

@@ -36,9 +36,10 @@ type Relay struct {
 	metrics *metrics
 	handler http.Handler
 
-	host    host.Host // nil with NoP2P
-	ownHost bool      // New created host, so Close closes it
-	join    io.Closer // the join service on host
+	host    host.Host     // nil with NoP2P
+	ownHost bool          // New created host, so Close closes it
+	join    io.Closer     // the join service on host
+	index   *indexService // prefix index streams on host; nil with NoP2P
 
 	gossip *relayGossip // nil when gossip is off or without a host
 	// draining is set once the relay starts stopping; gossip publishes it.
@@ -112,6 +113,8 @@ func New(cfg Config) (*Relay, error) {
 			return nil, fmt.Errorf("relay: join service: %w", err)
 		}
 		r.join = join
+		r.index = newIndexService(r)
+		r.reg.index = r.index
 		r.bgCtx, r.bgCancel = context.WithCancel(context.Background())
 		peerRelays := make(map[peer.ID]bool)
 		for _, ai := range cfg.Gossip.Relays {
@@ -238,6 +241,9 @@ func (r *Relay) Close() error {
 		}
 		if r.join != nil {
 			errs = append(errs, r.join.Close())
+		}
+		if r.index != nil {
+			r.index.close()
 		}
 		if r.ownHost {
 			errs = append(errs, r.host.Close())
