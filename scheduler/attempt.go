@@ -13,6 +13,11 @@ type Request struct {
 	Model string
 	// SessionKey identifies the conversation; empty means none.
 	SessionKey string
+	// Prefix is the block-hash chain of the request's prompt (see
+	// PromptBlocks); nil means none. With the sticky policy, a request
+	// without a live session mapping goes where its prefix is cached,
+	// weighed against load. The scheduler does not keep the slice.
+	Prefix []uint64
 }
 
 // Affinity says how a pick related to the session's previous endpoint. The
@@ -50,6 +55,9 @@ type Choice struct {
 	// Probe is true when the choice holds one of a half-open breaker's
 	// probe slots.
 	Probe bool
+	// CachedBlocks is how many leading blocks of the request's Prefix the
+	// chosen endpoint was believed to hold.
+	CachedBlocks int
 
 	seq uint64
 }
@@ -128,10 +136,11 @@ type Attempt struct {
 }
 
 type pending struct {
-	seq   uint64
-	e     *endpoint
-	gen   uint64 // breaker generation at pick time
-	probe bool
+	seq    uint64
+	e      *endpoint
+	gen    uint64 // breaker generation at pick time
+	probe  bool
+	blocks int // prompt blocks counted in e.active
 }
 
 // Begin starts the scheduling of one request.
@@ -217,12 +226,16 @@ func (a *Attempt) Pick() (Choice, error) {
 	}
 	a.mapped = mapped
 	var e *endpoint
+	cached := 0
 	switch s.cfg.Policy {
 	case PolicySticky:
 		if mapped != nil {
 			if ok, avoid := a.admit(mapped, now, true); ok && !avoid && !s.engineSaturated(mapped) {
 				e = mapped
 			}
+		}
+		if e == nil && len(a.req.Prefix) > 0 {
+			e, cached = a.pickPrefix(g, now)
 		}
 		if e == nil {
 			e = a.pickScored(g, now)
@@ -240,7 +253,7 @@ func (a *Attempt) Pick() (Choice, error) {
 		return Choice{}, a.unavailable(g, now)
 	}
 
-	c := Choice{EndpointID: e.id, Affinity: AffinityNone}
+	c := Choice{EndpointID: e.id, Affinity: AffinityNone, CachedBlocks: cached}
 	if a.req.SessionKey != "" {
 		c.Affinity = AffinityMiss
 		if e == mapped {
@@ -259,7 +272,17 @@ func (a *Attempt) Pick() (Choice, error) {
 	if a.pending == nil {
 		a.pending = a.pendingBuf[:0]
 	}
-	a.pending = append(a.pending, pending{seq: c.seq, e: e, gen: e.brGen, probe: c.Probe})
+	blocks := len(a.req.Prefix)
+	e.active += blocks
+	a.pending = append(a.pending, pending{seq: c.seq, e: e, gen: e.brGen, probe: c.Probe, blocks: blocks})
+	if blocks > 0 && s.cfg.Policy == PolicySticky {
+		if e.ix == nil {
+			e.ix = s.index.endpointIndex(e.id, true)
+		}
+		if e.ix != nil {
+			s.index.recordRoute(e.ix, a.req.Prefix, now)
+		}
+	}
 	return c, nil
 }
 
@@ -315,6 +338,7 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 	now := s.now()
 	e.inFlight--
 	s.inFlight--
+	e.active -= p.blocks
 	w := 1 / s.decayNow(now) // one outcome, in stored units
 	current := p.gen == e.brGen
 	if p.probe && current && e.br == BreakerHalfOpen {

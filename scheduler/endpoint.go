@@ -120,6 +120,9 @@ type endpoint struct {
 	good, bad float64 // success rate: successes vs failures and dead keys
 	health    Health
 	id        string
+	idHash    uint64   // hashString(id), for rendezvous placement
+	ix        *epIndex // its entries in the prefix index; nil when none
+	active    int      // prompt blocks of its requests in flight
 
 	models      []string // sorted, no duplicates
 	brOK, brBad float64  // failure-rate rule: successes vs endpoint failures
