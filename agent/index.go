@@ -133,7 +133,7 @@ func newPrefixIndex(cfg IndexConfig, log zerolog.Logger) *prefixIndex {
 func (x *prefixIndex) blocksFor(tokens int) int {
 	bt := x.cfg.Prefix.BlockTokens
 	if bt <= 0 {
-		bt = 16
+		bt = scheduler.DefaultBlockTokens
 	}
 	return min(max(tokens/bt, 1), scheduler.MaxEndpointBlocks)
 }
@@ -367,14 +367,21 @@ func (x *prefixIndex) publish(ctx context.Context, h host.Host, relay peer.ID) e
 		Type: transport.PrefixHello, BlockTokens: x.cfg.Prefix.BlockTokens, BytesPerToken: x.cfg.Prefix.BytesPerToken,
 		MaxBlocks: x.cfg.Prefix.MaxBlocks, CapacityBlocks: x.lru.Capacity(),
 	}
+	x.mu.Unlock()
 	b, err := transport.AppendPrefixFrame(nil, &hello)
-	if err != nil {
-		x.mu.Unlock()
-		_ = s.Reset()
-		return err
+	if err == nil {
+		// The hello goes first, before the stream can get a snapshot.
+		_ = s.SetWriteDeadline(time.Now().Add(indexWriteTimeout))
+		_, err = s.Write(b)
 	}
-	// The hello goes first; the first flush queues the snapshot after it.
-	st := &indexStream{relay: relay, s: s, wake: make(chan struct{}, 1), snap: true, queue: [][]byte{b}, queued: len(b)}
+	if err != nil {
+		_ = s.Reset()
+		return fmt.Errorf("prefix index hello: %w", err)
+	}
+	x.frames.Add(1)
+	x.bytes.Add(uint64(len(b)))
+	st := &indexStream{relay: relay, s: s, wake: make(chan struct{}, 1), snap: true}
+	x.mu.Lock()
 	x.streams[st] = struct{}{}
 	x.mu.Unlock()
 	defer func() {

@@ -104,7 +104,7 @@ type Config struct {
 	Scheduler scheduler.Config
 	// Prefix is how request prompts are cut into blocks for prefix-aware
 	// routing; agents must publish their index with the same setting. The
-	// zero value is scheduler's default (16-token blocks of 64 bytes).
+	// zero value is scheduler's default (64-token blocks of 256 bytes).
 	Prefix scheduler.PrefixConfig
 	// IndexCutoff is how long an agent that broke the prefix index protocol
 	// may not publish again. Zero means DefaultIndexCutoff (1 minute).

@@ -213,8 +213,8 @@ func (x *indexService) reject(c *indexConn, reason string) {
 		_ = c.s.SetWriteDeadline(time.Now().Add(5 * time.Second))
 		_, _ = c.s.Write(b)
 	}
-	_ = c.s.CloseWrite()
-	_ = c.s.Reset()
+	// Close, not Reset: the reason must arrive.
+	_ = c.s.Close()
 }
 
 // serve reads c until it ends; a *violation error is a breach.
@@ -305,10 +305,10 @@ func (x *indexService) serve(c *indexConn, p peer.ID, name string) error {
 func samePrefixConfig(a, b scheduler.PrefixConfig) bool {
 	norm := func(c scheduler.PrefixConfig) scheduler.PrefixConfig {
 		if c.BlockTokens <= 0 {
-			c.BlockTokens = 16
+			c.BlockTokens = scheduler.DefaultBlockTokens
 		}
 		if c.BytesPerToken <= 0 {
-			c.BytesPerToken = 4
+			c.BytesPerToken = scheduler.DefaultBytesPerToken
 		}
 		if c.MaxBlocks <= 0 {
 			c.MaxBlocks = scheduler.DefaultMaxBlocks

@@ -308,15 +308,9 @@ func NewPrefixReader(r io.Reader) *PrefixReader {
 // io.EOF; a frame cut short is io.ErrUnexpectedEOF; an announced length
 // over PrefixMaxFrame is ErrPrefixTooLarge, before any of the body is read.
 func (pr *PrefixReader) Next(m *PrefixMsg) (int, error) {
-	size, err := binary.ReadUvarint(pr.r)
+	size, err := pr.length()
 	if err != nil {
-		if errors.Is(err, io.EOF) {
-			return 0, io.EOF
-		}
-		if errors.Is(err, io.ErrUnexpectedEOF) {
-			return 0, err
-		}
-		return 0, fmt.Errorf("%w: %w", ErrPrefixMalformed, err)
+		return 0, err
 	}
 	if size > PrefixMaxFrame {
 		return 0, fmt.Errorf("%w: %d bytes announced", ErrPrefixTooLarge, size)
@@ -333,6 +327,30 @@ func (pr *PrefixReader) Next(m *PrefixMsg) (int, error) {
 	}
 	wire := int(size) + uvarintLen(size)
 	return wire, DecodePrefixMsg(body, m)
+}
+
+// length reads a frame's length prefix: io.EOF before its first byte,
+// io.ErrUnexpectedEOF inside it, ErrPrefixMalformed for an overlong one;
+// other read errors as they come.
+func (pr *PrefixReader) length() (uint64, error) {
+	var v uint64
+	for i := 0; i < binary.MaxVarintLen64; i++ {
+		c, err := pr.r.ReadByte()
+		if err != nil {
+			if i > 0 && errors.Is(err, io.EOF) {
+				return 0, io.ErrUnexpectedEOF
+			}
+			return 0, err
+		}
+		v |= uint64(c&0x7f) << (7 * i)
+		if c < 0x80 {
+			if i == binary.MaxVarintLen64-1 && c > 1 {
+				break
+			}
+			return v, nil
+		}
+	}
+	return 0, fmt.Errorf("%w: overlong length", ErrPrefixMalformed)
 }
 
 func uvarintLen(v uint64) int {
