@@ -80,13 +80,16 @@ func askUsage(body []byte) ([]byte, bool) {
 			return nil, false
 		}
 	}
-	if opts == nil {
+	if len(f.StreamOptions) == 0 {
 		// The common case: insert the option, leave the rest byte for byte.
 		i := bytes.IndexByte(body, '{')
 		out := make([]byte, 0, len(body)+48)
 		out = append(out, body[:i+1]...)
 		out = append(out, `"stream_options":{"include_usage":true},`...)
 		return append(out, body[i+1:]...), true
+	}
+	if opts == nil {
+		opts = make(map[string]json.RawMessage, 1)
 	}
 	opts["include_usage"] = json.RawMessage("true")
 	var all map[string]json.RawMessage

@@ -230,7 +230,10 @@ func TestPrefixIndexRouting(t *testing.T) {
 	}
 
 	system := words("sys", 16<<10) // 64 blocks
-	first, _ := chat(t, rl, system, "question zero", false)
+	first, u := chat(t, rl, system, "question zero", false)
+	if u != nil {
+		t.Fatal("the client got a usage chunk it did not ask for")
+	}
 	holder := agents[first]
 	if holder == nil {
 		t.Fatalf("served by %q", first)
