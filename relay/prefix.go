@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"sync"
 	"time"
 
@@ -56,11 +57,12 @@ type indexService struct {
 	log    zerolog.Logger
 	m      *indexMetrics
 
-	mu     sync.Mutex // guards the following fields
-	conns  map[peer.ID]*indexConn
-	banned map[peer.ID]time.Time // cut off until
-	closed bool
-	wg     sync.WaitGroup
+	mu      sync.Mutex // guards the following fields
+	conns   map[peer.ID]*indexConn
+	banned  map[peer.ID]time.Time // cut off until
+	traffic map[string]uint64     // bytes received, by agent name
+	closed  bool
+	wg      sync.WaitGroup
 }
 
 // indexConn is one agent's open index stream.
@@ -71,15 +73,16 @@ type indexConn struct {
 
 func newIndexService(r *Relay) *indexService {
 	x := &indexService{
-		h:      r.host,
-		reg:    r.reg,
-		sched:  r.sched,
-		prefix: r.cfg.Prefix,
-		cutoff: r.cfg.IndexCutoff,
-		log:    r.log.With().Str("part", "prefix-index").Logger(),
-		m:      r.metrics.index,
-		conns:  make(map[peer.ID]*indexConn),
-		banned: make(map[peer.ID]time.Time),
+		h:       r.host,
+		reg:     r.reg,
+		sched:   r.sched,
+		prefix:  r.cfg.Prefix,
+		cutoff:  r.cfg.IndexCutoff,
+		log:     r.log.With().Str("part", "prefix-index").Logger(),
+		m:       r.metrics.index,
+		conns:   make(map[peer.ID]*indexConn),
+		banned:  make(map[peer.ID]time.Time),
+		traffic: make(map[string]uint64),
 	}
 	x.h.SetStreamHandler(transport.PrefixProtocol, x.handle)
 	return x
@@ -234,6 +237,9 @@ func (x *indexService) serve(c *indexConn, p peer.ID, name string) error {
 		n, err := pr.Next(&m)
 		if n > 0 {
 			bytesC.Add(float64(n))
+			x.mu.Lock()
+			x.traffic[name] += uint64(n)
+			x.mu.Unlock()
 		}
 		switch {
 		case err == nil:
@@ -404,4 +410,15 @@ func (m *indexMetrics) observePick(blocks, cached int) {
 		m.routed.Add(float64(blocks))
 		m.cached.Add(float64(cached))
 	}
+}
+
+// PrefixTraffic returns the bytes of prefix index updates received from
+// each agent (by name) since the relay started; nil with NoP2P.
+func (r *Relay) PrefixTraffic() map[string]uint64 {
+	if r.index == nil {
+		return nil
+	}
+	r.index.mu.Lock()
+	defer r.index.mu.Unlock()
+	return maps.Clone(r.index.traffic)
 }

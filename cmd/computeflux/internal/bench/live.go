@@ -90,6 +90,7 @@ func runLive(ctx context.Context, cfg *Config, w *Workload, p scheduler.Policy) 
 	}
 	res := summarize(p.String(), cfg.Scenario.String(), "live", r.recs, cfg.Engines)
 	res.Wall = time.Since(wall)
+	res.IndexTraffic = indexTraffic(c.Relay().PrefixTraffic(), r.model(time.Since(r.start)))
 	return res, nil
 }
 
@@ -234,7 +235,9 @@ func (r *liveRun) do(ctx context.Context, session string, msgs []message, maxTok
 	}
 	req.Header.Set("Authorization", "Bearer "+r.c.APIKey())
 	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-Session-ID", session)
+	if session != "" { // a keyless replay names no session
+		req.Header.Set("X-Session-ID", session)
+	}
 	resp, err := r.client.Do(req)
 	if err != nil {
 		return "", err
@@ -347,4 +350,32 @@ func errorCause(err error) string {
 		s = s[:120] + "..."
 	}
 	return s
+}
+
+// IndexTraffic is the prefix index traffic of a live run, per agent, in
+// bytes per second of model time (the trace's own clock: what an agent
+// would send at the trace's real pace).
+type IndexTraffic struct {
+	Agents int     `json:"agents"`
+	Bytes  uint64  `json:"bytes"`
+	Mean   float64 `json:"mean_bytes_per_sec"`
+	Max    float64 `json:"max_bytes_per_sec"`
+}
+
+// indexTraffic summarises the relay's per-agent byte counts over a run of
+// span model time; nil when no agent published.
+func indexTraffic(byAgent map[string]uint64, span time.Duration) *IndexTraffic {
+	if len(byAgent) == 0 || span <= 0 {
+		return nil
+	}
+	t := &IndexTraffic{Agents: len(byAgent)}
+	var most uint64
+	for _, b := range byAgent {
+		t.Bytes += b
+		most = max(most, b)
+	}
+	s := span.Seconds()
+	t.Mean = float64(t.Bytes) / float64(len(byAgent)) / s
+	t.Max = float64(most) / s
+	return t
 }

@@ -61,6 +61,9 @@ type Result struct {
 	Decision *Micros `json:"decision_us,omitempty"`
 	// Wall is how long the run took in real time.
 	Wall time.Duration `json:"wall_ns"`
+	// IndexTraffic is what the agents published of their prefix indexes
+	// to the relay (live mode).
+	IndexTraffic *IndexTraffic `json:"index_traffic,omitempty"`
 }
 
 // summarize turns records into a Result.
@@ -223,6 +226,12 @@ func (rp *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintf(&b, " %s %s", r.Policy, r.Wall.Round(100*time.Millisecond))
 	}
 	b.WriteString("\n")
+	for _, r := range rp.Results {
+		if t := r.IndexTraffic; t != nil {
+			fmt.Fprintf(&b, "%s prefix index traffic: %d agents, %d bytes, %.0f B/s per agent (max %.0f) of model time\n",
+				r.Policy, t.Agents, t.Bytes, t.Mean, t.Max)
+		}
+	}
 	fmt.Fprintf(&b, "oracle hit ratio (one infinite cache that has seen every earlier request): %.1f%%\n", 100*rp.Oracle)
 	if share, ok := rp.StickyShare(); ok {
 		fmt.Fprintf(&b, "sticky reaches %.1f%% of the oracle\n", 100*share)
