@@ -398,11 +398,9 @@ func (x *prefixIndex) publish(ctx context.Context, h host.Host, relay peer.ID) e
 		rerr = x.readRelay(st)
 	}()
 	werr := x.writeLoop(ctx, st, readDone)
-	if ctx.Err() != nil {
-		_ = s.Close()
-	} else {
-		_ = s.Reset()
-	}
+	// Whatever ended it, nothing more is sent: a relay that stays keeps the
+	// entries only while the stream lives.
+	_ = s.Reset()
 	<-readDone
 	if werr == nil || errors.Is(werr, errReaderEnded) {
 		werr = rerr
@@ -495,7 +493,7 @@ func (a *Agent) startPublishing(ctx context.Context, h host.Host, relay peer.ID)
 }
 
 // kvCapacityRereads is how many refreshes pass between reads of the
-// engine's KV capacity once known (it changes only with a restart).
+// engine's KV capacity (it changes only with a restart of the engine).
 const kvCapacityRereads = 6
 
 // refreshKVCapacity sizes the index from the engine's KV capacity, unless
@@ -509,9 +507,9 @@ func (a *Agent) refreshKVCapacity(ctx context.Context) {
 		return
 	}
 	tokens, err := a.engineKVCapacity(ctx)
+	a.capReads = 1
 	if err != nil {
 		return // unknown: the index keeps its size (DefaultKVCapacityTokens at first)
 	}
-	a.capReads = 1
 	a.index.setCapacity(tokens)
 }
