@@ -472,6 +472,18 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 	if got := good.a.IndexStats().Blocks; rl.r.Scheduler().IndexStats().Entries != got {
 		t.Fatalf("the good agent's %d entries changed at the relay", got)
 	}
+
+	// Held dead (as gossip does), the agent's entries go; back alive, the
+	// relay asks it for a snapshot and has them again.
+	rl.r.Registry().SetDead("good", true)
+	waitFor(t, "a dead agent's entries dropped", func() bool { return rl.r.Scheduler().IndexStats().Entries == 0 })
+	rl.r.Registry().SetDead("good", false)
+	waitFor(t, "the revived agent's snapshot", func() bool {
+		return rl.r.Scheduler().IndexStats().Entries == good.a.IndexStats().Blocks
+	})
+	if got := good.a.IndexStats().Snapshots; got < 2 {
+		t.Fatalf("%d snapshots sent, want the first and one after the resync", got)
+	}
 }
 
 func frames(t testing.TB, ms ...transport.PrefixMsg) []byte {
