@@ -98,7 +98,10 @@ func newIndexedAgent(t *testing.T, h http.Handler, kvTokens int) *Agent {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { a.client.CloseIdleConnections(); a.cfg.UpstreamTransport.(*http.Transport).CloseIdleConnections() })
+	t.Cleanup(func() {
+		a.client.CloseIdleConnections()
+		a.cfg.UpstreamTransport.(*http.Transport).CloseIdleConnections()
+	})
 	return a
 }
 
