@@ -141,6 +141,9 @@ type pending struct {
 	gen    uint64 // breaker generation at pick time
 	probe  bool
 	blocks int // prompt blocks counted in e.active
+	// uncached is this request's share of e.backlog until it starts.
+	uncached int
+	started  bool
 }
 
 // Begin starts the scheduling of one request.
@@ -248,6 +251,12 @@ func (a *Attempt) Pick() (Choice, error) {
 		e = a.pickLeastLoaded(g, now)
 	case PolicyConsistentHash:
 		e = a.pickHash(g, now)
+	case PolicyPrefixHash:
+		e = a.pickPrefixHash(g, now)
+	case PolicyDualMap:
+		e = a.pickDualMap(g, now)
+	case PolicySGLang:
+		e, cached = a.pickSGLang(g, now)
 	}
 	if e == nil {
 		return Choice{}, a.unavailable(g, now)
@@ -274,7 +283,10 @@ func (a *Attempt) Pick() (Choice, error) {
 	}
 	blocks := len(a.req.Prefix)
 	e.active += blocks
-	a.pending = append(a.pending, pending{seq: c.seq, e: e, gen: e.brGen, probe: c.Probe, blocks: blocks})
+	uncached := blocks - cached
+	e.backlog += uncached
+	a.pending = append(a.pending, pending{seq: c.seq, e: e, gen: e.brGen, probe: c.Probe, blocks: blocks,
+		uncached: uncached})
 	if blocks > 0 && s.cfg.Policy == PolicySticky {
 		if e.ix == nil {
 			e.ix = s.index.endpointIndex(e.id, true)
@@ -319,6 +331,26 @@ func (a *Attempt) unavailable(g *group, now int64) error {
 	return err
 }
 
+// Started tells the scheduler that the request of c has begun answering
+// (its first byte arrived): its prompt is prefilled, so its uncached blocks
+// no longer count as work queued on the endpoint. Calling it is optional
+// (Report releases what it did not) and it may be called at most once per
+// Choice; a Choice not from this attempt is ignored.
+func (a *Attempt) Started(c Choice) {
+	s := a.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i := range a.pending {
+		if p := &a.pending[i]; p.seq == c.seq && c.seq != 0 {
+			if !p.started {
+				p.started = true
+				p.e.backlog -= p.uncached
+			}
+			return
+		}
+	}
+}
+
 // Report records how a picked request ended, releases its slot and returns
 // the outcome's class. It updates the endpoint's latency average, success
 // rate and breaker, the session's affinity, and this attempt's exclusions.
@@ -339,6 +371,9 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 	e.inFlight--
 	s.inFlight--
 	e.active -= p.blocks
+	if !p.started {
+		e.backlog -= p.uncached
+	}
 	w := 1 / s.decayNow(now) // one outcome, in stored units
 	current := p.gen == e.brGen
 	if p.probe && current && e.br == BreakerHalfOpen {

@@ -3,8 +3,8 @@ package scheduler
 import (
 	"encoding/json"
 	"fmt"
-	"strings"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"

@@ -24,8 +24,8 @@ type prefixIndex struct {
 	free   []uint32          // free set ids
 	single []uint32          // slot -> the id of the set holding only that slot (0: none yet)
 
-	byID  map[string]*epIndex
-	slots []*epIndex // by slot; nil when free
+	byID     map[string]*epIndex
+	slots    []*epIndex // by slot; nil when free
 	slotFree []uint16
 
 	scratch []uint16
@@ -381,12 +381,16 @@ func (p *prefixIndex) overlaps(chain []uint64, gen uint64, now int64) int {
 		if nid != 0 {
 			nm = p.sets[nid].members
 		}
-		// ext ∩ nm; the rest stop at next.
-		k := 0
+		// ext ∩ nm (both sorted: one merge); the rest stop at next.
+		k, j := 0, 0
 		for _, s := range ext {
-			if _, in := slices.BinarySearch(nm, s); in {
+			for j < len(nm) && nm[j] < s {
+				j++
+			}
+			if j < len(nm) && nm[j] == s {
 				ext[k] = s
 				k++
+				j++
 			} else {
 				set(p.slots[s], next)
 			}

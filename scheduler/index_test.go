@@ -182,9 +182,10 @@ func TestPickSessionRulesKeptWithPrefix(t *testing.T) {
 	other := "a"
 	if home == "a" {
 		other = "b"
-		s.IndexReset("b", nil)
-		s.IndexReset("a", chain)
 	}
+	// The prefix is cached on the other endpoint.
+	s.IndexReset(home, nil)
+	s.IndexReset(other, chain)
 	c = mustPick(t, s.Begin(Request{Model: "m", SessionKey: "k", Prefix: chain}))
 	if c.EndpointID != home || c.Affinity != AffinityHit {
 		t.Fatalf("live session went to %s (%s), home %s", c.EndpointID, c.Affinity, home)

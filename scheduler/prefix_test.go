@@ -199,3 +199,14 @@ func FuzzPromptBlocks(f *testing.F) {
 		}
 	})
 }
+
+// BenchmarkPromptBlocks hashes a 32 KiB chat request body.
+func BenchmarkPromptBlocks(b *testing.B) {
+	body := chatBody(b, "system", strings.Repeat("You are a careful assistant. ", 80), "user", strings.Repeat("tell me about caches and paging. ", 32<<10/33))
+	dst := make([]uint64, 0, DefaultMaxBlocks)
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		dst = PromptBlocks(dst[:0], body, PrefixConfig{})
+	}
+}

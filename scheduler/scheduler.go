@@ -272,6 +272,7 @@ func (s *Scheduler) Snapshot() []EndpointStatus {
 			Breaker:      e.breakerState(now),
 			ColdStart:    e.requests < s.coldStart,
 			Score:        s.score(e, sc),
+			Backlog:      e.backlog,
 		}
 		if e.hasEWMA {
 			st.EWMALatency = time.Duration(e.ewma)

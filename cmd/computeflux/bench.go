@@ -63,7 +63,9 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 		fs.PrintDefaults()
 	}
 	fs.StringVar(&cfg.Mode, "mode", bench.ModeLive, "`live` (relay, agents, engines on loopback) or sim (discrete-event simulation)")
-	fs.StringVar(&policies, "policies", "all", "comma-separated `policies`: sticky, round-robin, random, least-loaded, consistent-hash, or all")
+	fs.StringVar(&policies, "policies", "all", "comma-separated `policies`: sticky, round-robin, random, least-loaded, consistent-hash, sglang, dualmap, prefix-hash, or all")
+	fs.StringVar(&cfg.Keys, "keys", "", "whether clients send session keys: with, without, or both side by side (default: chat with, trace replays without, inferring no sessions)")
+	fs.BoolVar(&cfg.NoPooled, "no-pooled", false, "skip the pooled bound (one engine with all caches together), an extra simulation")
 	fs.StringVar(&scenarios, "scenario", "steady", "comma-separated `scenarios`: steady, degraded, failure, join, skew, or all")
 	fs.IntVar(&cfg.Engines, "engines", 4, "number of engines, each with its agent")
 	fs.IntVar(&cfg.Chat.Sessions, "sessions", 0, "chat sessions (default 30 per engine)")

@@ -95,7 +95,10 @@ func TestSimScenarios(t *testing.T) {
 				}
 				switch sc {
 				case ScenarioJoin:
-					if r.PerEngine[2] == 0 {
+					// prefix-hash and sglang place every chat session by its
+					// shared system prompt (sglang while the load looks
+					// balanced to it): a joiner gets nothing, by design.
+					if r.PerEngine[2] == 0 && r.Policy != "prefix-hash" && r.Policy != "sglang" {
 						t.Errorf("%s: the joining engine served nothing", r.Policy)
 					}
 				}
