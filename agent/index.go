@@ -108,6 +108,10 @@ type prefixIndex struct {
 	scratchA []uint64
 	scratchE []uint64
 	snapBuf  []uint64
+	// The first answers measure the prompts' bytes per engine token, to
+	// size the index in blocks from a capacity in tokens.
+	samples, sampleBytes, sampleTokens int
+	bytesPerToken                      float64 // 0 until measured
 }
 
 func newPrefixIndex(cfg IndexConfig, log zerolog.Logger) *prefixIndex {
@@ -128,14 +132,49 @@ func newPrefixIndex(cfg IndexConfig, log zerolog.Logger) *prefixIndex {
 	return x
 }
 
+// calibrationAnswers is how many answers measure bytes per token.
+const calibrationAnswers = 32
+
 // blocksFor converts a capacity in tokens to index blocks, within what a
-// relay keeps of one agent.
+// relay keeps of one agent: tokens of the block size, or, once measured,
+// the bytes those tokens take in prompts over the block's bytes (the
+// engine's tokenizer need not give the block size's bytes per token).
 func (x *prefixIndex) blocksFor(tokens int) int {
-	bt := x.cfg.Prefix.BlockTokens
-	if bt <= 0 {
-		bt = scheduler.DefaultBlockTokens
+	n := tokens / x.blockTokens()
+	if x.bytesPerToken > 0 {
+		n = int(float64(tokens) * x.bytesPerToken / float64(x.cfg.Prefix.BlockBytes()))
 	}
-	return min(max(tokens/bt, 1), scheduler.MaxEndpointBlocks)
+	return min(max(n, 1), scheduler.MaxEndpointBlocks)
+}
+
+func (x *prefixIndex) blockTokens() int {
+	if bt := x.cfg.Prefix.BlockTokens; bt > 0 {
+		return bt
+	}
+	return scheduler.DefaultBlockTokens
+}
+
+// calibrateLocked adds an answer's prompt to the bytes-per-token measure
+// and resizes the index once it is complete.
+func (x *prefixIndex) calibrateLocked(chainLen, promptTokens int) {
+	maxBlocks := x.cfg.Prefix.MaxBlocks
+	if maxBlocks <= 0 {
+		maxBlocks = scheduler.DefaultMaxBlocks
+	}
+	if x.samples >= calibrationAnswers || chainLen == 0 || chainLen >= maxBlocks || promptTokens <= 0 {
+		return // a capped chain does not measure its prompt
+	}
+	x.samples++
+	// A chain of n full blocks stands for about n+½ blocks of prompt.
+	x.sampleBytes += (2*chainLen + 1) * x.cfg.Prefix.BlockBytes() / 2
+	x.sampleTokens += promptTokens
+	if x.samples < calibrationAnswers {
+		return
+	}
+	x.bytesPerToken = float64(x.sampleBytes) / float64(x.sampleTokens)
+	x.scratchE = x.lru.SetCapacity(x.blocksFor(x.capTok), x.scratchE[:0])
+	x.touchLocked(x.scratchE)
+	x.log.Info().Float64("bytes_per_token", x.bytesPerToken).Int("blocks", x.lru.Capacity()).Msg("prefix index resized from measured prompts")
 }
 
 // setCapacity resizes the index for an engine capacity of tokens.
@@ -190,6 +229,7 @@ func (x *prefixIndex) answered(chain []uint64, promptTokens, cachedTokens int) {
 	cached := scheduler.CachedBlocks(len(chain), promptTokens, cachedTokens)
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	x.calibrateLocked(len(chain), promptTokens)
 	before := x.lru.Capacity()
 	x.scratchE = x.lru.Correct(chain, cached, x.scratchE[:0])
 	if len(x.scratchE) > 0 || x.lru.Capacity() != before {

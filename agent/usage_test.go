@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/rs/zerolog"
+
 	"github.com/computeflux/computeflux/scheduler"
 )
 
@@ -274,4 +276,27 @@ func FuzzUsageBody(f *testing.F) {
 			t.Fatalf("askUsage made invalid JSON of %q: %q", data, out)
 		}
 	})
+}
+
+// TestIndexCalibratesBytesPerToken: after 32 answers the index is resized
+// from the bytes per token its prompts measured.
+func TestIndexCalibratesBytesPerToken(t *testing.T) {
+	x := newPrefixIndex(IndexConfig{KVCapacityTokens: 64 * 1000}, zerolog.Nop())
+	if got := x.stats().Capacity; got != 1000 {
+		t.Fatalf("initial capacity %d blocks", got)
+	}
+	bb := scheduler.PrefixConfig{}.BlockBytes()
+	for i := range calibrationAnswers {
+		// 10 full blocks: about 10.5 x 256 bytes, for 336 tokens: 8 bytes a token.
+		chain := make([]uint64, 10)
+		for j := range chain {
+			chain[j] = uint64(i*100 + j + 1)
+		}
+		x.served(chain)
+		x.answered(chain, 21*bb/2/8, 0)
+	}
+	// 64,000 tokens x 8 bytes / 256 bytes a block.
+	if got := x.stats().Capacity; got < 1900 || got > 2100 {
+		t.Fatalf("capacity %d blocks after calibration, want about 2,000", got)
+	}
 }

@@ -214,6 +214,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 		return r.failed(ctx, req, report, start, resp.StatusCode, rerr)
 	}
 	ttfb := r.cfg.Clock.Now().Sub(start)
+	att.Started(c) // the prompt is prefilled: no longer the agent's backlog
 	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 	first := buf[:n]
 	if !sse && resp.StatusCode/100 == 2 {
