@@ -99,9 +99,9 @@ func words(seed string, n int) string {
 	return b.String()[:n]
 }
 
-// chat sends a keyless streamed chat completion and returns the serving
+// keylessChat sends a keyless streamed chat completion and returns the serving
 // agent and the usage the client got (nil if none).
-func chat(t testing.TB, rl *itRelay, system, user string, includeUsage bool) (string, *int) {
+func keylessChat(t testing.TB, rl *itRelay, system, user string, includeUsage bool) (string, *int) {
 	t.Helper()
 	body := map[string]any{
 		"model": "m1", "stream": true, "max_tokens": 4,
@@ -230,7 +230,7 @@ func TestPrefixIndexRouting(t *testing.T) {
 	}
 
 	system := words("sys", 16<<10) // 64 blocks
-	first, u := chat(t, rl, system, "question zero", false)
+	first, u := keylessChat(t, rl, system, "question zero", false)
 	if u != nil {
 		t.Fatal("the client got a usage chunk it did not ask for")
 	}
@@ -243,7 +243,7 @@ func TestPrefixIndexRouting(t *testing.T) {
 		t.Fatalf("holder's index has %d blocks", got)
 	}
 	for i := range 6 {
-		got, cached := chat(t, rl, system, fmt.Sprintf("question %d, another one", i+1), true)
+		got, cached := keylessChat(t, rl, system, fmt.Sprintf("question %d, another one", i+1), true)
 		if got != first {
 			t.Fatalf("request %d sharing the prefix went to %s, not %s", i+1, got, first)
 		}
@@ -259,7 +259,7 @@ func TestPrefixIndexRouting(t *testing.T) {
 	if id, cached := probe(rl, chatBody(system, "after the restart")); id != first || cached < 60 {
 		t.Fatalf("after restart: prefix placed on %s believed to hold %d blocks; want %s with >= 60", id, cached, first)
 	}
-	if got, _ := chat(t, rl, system, "after the restart", false); got != first {
+	if got, _ := keylessChat(t, rl, system, "after the restart", false); got != first {
 		t.Fatalf("after restart served by %s, want %s", got, first)
 	}
 
@@ -301,7 +301,7 @@ func TestPrefixIndexFollowsEngine(t *testing.T) {
 	prompts := make([]string, 12)
 	for i := range prompts {
 		prompts[i] = words(fmt.Sprintf("p%d-", i), 5<<10)
-		chat(t, rl, prompts[i], "q", false)
+		keylessChat(t, rl, prompts[i], "q", false)
 	}
 	synced("relay equal to agent after the inserts")
 	st := a.a.IndexStats()
@@ -312,7 +312,7 @@ func TestPrefixIndexFollowsEngine(t *testing.T) {
 	// Replaying the early prompts: the engine lost them, the agent
 	// believed otherwise; the answers correct it.
 	for i := range 4 {
-		chat(t, rl, prompts[i], "q", false)
+		keylessChat(t, rl, prompts[i], "q", false)
 	}
 	synced("relay equal to agent after the corrections")
 	st = a.a.IndexStats()
@@ -335,7 +335,7 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 	waitFor(t, "the good agent publishing", func() bool {
 		return metric(t, rl, `computeflux_prefix_updates_total{agent="good",type="snapshot"}`) >= 1
 	})
-	chat(t, rl, words("good", 8<<10), "q", false)
+	keylessChat(t, rl, words("good", 8<<10), "q", false)
 	waitFor(t, "the good agent's entries", func() bool { return good.a.IndexStats().Blocks >= 32 })
 	waitFor(t, "them at the relay", func() bool {
 		return rl.r.Scheduler().IndexStats().Entries == good.a.IndexStats().Blocks

@@ -31,20 +31,21 @@ const (
 	// cacheBias weighs the blocks a request would prefill against the
 	// backlog it would wait behind while the load is even: a block
 	// prefilled on another endpoint is a block held twice, and the copy
-	// evicts other prefixes. Measured with the simulation over the
-	// Mooncake traces and chat (see the README).
+	// evicts other prefixes. The constants here were chosen with the
+	// simulation over the Mooncake traces and chat (see the README).
 	cacheBias = 100
 	// hotCacheBias replaces cacheBias once the cache's choice is hot: its
-	// expected load is over hotRel times the least loaded endpoint's
-	// plus hotAbs requests. Then load counts nearly as time, and a hot
-	// prefix spreads.
+	// expected load is over hotRel times the least loaded endpoint's plus
+	// hotAbs requests, or its prefill backlog over the least one's plus
+	// hotBacklog blocks (16K tokens). Then load counts nearly as much as
+	// the prefill, and a hot prefix spreads.
 	hotCacheBias = 3
 	hotRel       = 1.5
-	hotAbs       = 8
+	hotAbs       = 2
+	hotBacklog   = 256
 	// loadWeight turns the expected load (requests) into blocks, at the
 	// mean request size.
-	loadWeight = 0.5
-
+	loadWeight = 1.0
 	// costTolerance: costs within this share of the best, plus one
 	// block, are equal.
 	costTolerance = 0.02
@@ -90,10 +91,10 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 	var leastLoad float64
 	var leastHRW uint64
 	leastAvoid := false
-	minSLoad := -1.0
+	minSLoad, minBacklog := -1.0, -1.0
 	for _, e := range g.eps {
 		ok, avoid := e.br == BreakerClosed && clean && !e.disabled && !e.removed && e != a.mapped &&
-			!e.health.Draining && (e.capacity == 0 || e.inFlight < e.capacity), e.health.Suspect
+			!e.health.Draining && (e.capacity == 0 || e.inFlight < e.capacity) && e.keys == nil, e.health.Suspect
 		if !ok {
 			ok, avoid = a.admit(e, now, false)
 		}
@@ -131,10 +132,13 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 		}
 		hrw := mix64(key ^ e.idHash)
 		uncached := float64(len(chain) - ov)
-		hi.offer(e, (base+uncached*(1+cacheBias))*f, hrw, avoid, ov, sload)
-		lo.offer(e, (base+uncached*(1+hotCacheBias))*f, hrw, avoid, ov, sload)
+		hi.offer(e, (base+uncached*(1+cacheBias))*f, hrw, avoid, ov, sload, backlog)
+		lo.offer(e, (base+uncached*(1+hotCacheBias))*f, hrw, avoid, ov, sload, backlog)
 		if !avoid && (minSLoad < 0 || sload < minSLoad) {
 			minSLoad = sload
+		}
+		if !avoid && (minBacklog < 0 || backlog < minBacklog) {
+			minBacklog = backlog
 		}
 
 		// Least loaded, for the balance rule.
@@ -155,7 +159,7 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 	}
 	// Cache first while the load is even; the load counts for more once
 	// the cache's choice is hot.
-	if hi.sload > hotRel*minSLoad+hotAbs {
+	if hi.sload > hotRel*minSLoad+hotAbs || hi.backlog > minBacklog+hotBacklog {
 		return lo.e, lo.ov
 	}
 	return hi.e, hi.ov
@@ -165,15 +169,16 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 // avoided first, then lower cost; costs within costTolerance (plus one
 // block) are equal, and rendezvous hashing picks among equals.
 type prefixChoice struct {
-	e     *endpoint
-	cost  float64
-	hrw   uint64
-	avoid bool
-	ov    int
-	sload float64
+	e       *endpoint
+	cost    float64
+	hrw     uint64
+	avoid   bool
+	ov      int
+	sload   float64
+	backlog float64
 }
 
-func (c *prefixChoice) offer(e *endpoint, cost float64, hrw uint64, avoid bool, ov int, sload float64) {
+func (c *prefixChoice) offer(e *endpoint, cost float64, hrw uint64, avoid bool, ov int, sload, backlog float64) {
 	switch {
 	case c.e == nil, avoid != c.avoid && !avoid:
 	case avoid != c.avoid:
@@ -183,5 +188,5 @@ func (c *prefixChoice) offer(e *endpoint, cost float64, hrw uint64, avoid bool, 
 	default:
 		return
 	}
-	*c = prefixChoice{e: e, cost: cost, hrw: hrw, avoid: avoid, ov: ov, sload: sload}
+	*c = prefixChoice{e: e, cost: cost, hrw: hrw, avoid: avoid, ov: ov, sload: sload, backlog: backlog}
 }

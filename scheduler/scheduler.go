@@ -79,6 +79,7 @@ type group struct {
 	// ringDirty is set when eps or a weight changes; the ring is rebuilt on
 	// the next consistent-hash pick.
 	ringDirty bool
+	tierState // priority tiers (tier.go)
 }
 
 // New returns a Scheduler for cfg, whose zero fields take their defaults.
@@ -137,6 +138,7 @@ func (s *Scheduler) Upsert(ep Endpoint) {
 	}
 	old := e.models
 	weightChanged := e.weight != weight
+	s.setTierAndKeys(e, ep)
 	e.models, e.weight, e.capacity, e.disabled = models, weight, capacity, ep.Disabled
 	e.affCap = int(math.Ceil(float64(capacity) * s.cfg.AffinityCapacity))
 	e.invCap = 0
@@ -147,7 +149,7 @@ func (s *Scheduler) Upsert(ep Endpoint) {
 		if _, ok := slices.BinarySearch(old, m); !ok {
 			s.join(m, e)
 		} else if weightChanged {
-			s.groups[m].ringDirty = true
+			s.groups[m].ringDirty, s.groups[m].tiersDirty = true, true
 		}
 	}
 }
@@ -162,7 +164,7 @@ func (s *Scheduler) join(model string, e *endpoint) {
 		return cmpString(x.id, id)
 	})
 	g.eps = slices.Insert(g.eps, i, e)
-	g.ringDirty = true
+	g.ringDirty, g.tiersDirty = true, true
 }
 
 func (s *Scheduler) leave(model string, e *endpoint) {
@@ -171,7 +173,7 @@ func (s *Scheduler) leave(model string, e *endpoint) {
 		return
 	}
 	g.eps = slices.DeleteFunc(g.eps, func(x *endpoint) bool { return x == e })
-	g.ringDirty = true
+	g.ringDirty, g.tiersDirty = true, true
 	if len(g.eps) == 0 {
 		delete(s.groups, model)
 	}
@@ -273,6 +275,8 @@ func (s *Scheduler) Snapshot() []EndpointStatus {
 			ColdStart:    e.requests < s.coldStart,
 			Score:        s.score(e, sc),
 			Backlog:      e.backlog,
+			Priority:     e.priority,
+			Keys:         s.keyStatus(e, now),
 		}
 		if e.hasEWMA {
 			st.EWMALatency = time.Duration(e.ewma)

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/scheduler"
 )
@@ -26,7 +27,8 @@ import (
 type liveRun struct {
 	cfg    *Config
 	w      *Workload
-	c      *relaytest.Cluster
+	c      *relaytest.Cluster // nil with Config.Relays (lr instead)
+	lr     *liveRelays
 	client *http.Client
 	start  time.Time
 	sent   atomic.Int64
@@ -48,6 +50,19 @@ func runLive(ctx context.Context, cfg *Config, w *Workload, p scheduler.Policy) 
 	}
 	ec := cfg.Engine
 	ec.Seed = cfg.Seed
+	tr := &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, IdleConnTimeout: 30 * time.Second}
+	defer tr.CloseIdleConnections()
+	if cfg.Relays > 0 {
+		lr, err := startLiveRelays(ctx, cfg, p)
+		if err != nil {
+			return Result{}, err
+		}
+		defer lr.Close()
+		r := &liveRun{cfg: cfg, w: w, lr: lr, client: &http.Client{Transport: tr}, start: time.Now()}
+		res, err := r.drive(ctx, p, wall)
+		lr.traffic(&res)
+		return res, err
+	}
 	c, err := relaytest.Start(ctx, relaytest.Config{
 		Engines:     engines,
 		Engine:      simengine.Config{Models: []string{cfg.Model}, TimeScale: cfg.TimeScale, Engine: ec},
@@ -60,10 +75,13 @@ func runLive(ctx context.Context, cfg *Config, w *Workload, p scheduler.Policy) 
 		return Result{}, err
 	}
 	defer c.Close()
-	tr := &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, IdleConnTimeout: 30 * time.Second}
-	defer tr.CloseIdleConnections()
 	r := &liveRun{cfg: cfg, w: w, c: c, client: &http.Client{Transport: tr}, start: time.Now()}
+	return r.drive(ctx, p, wall)
+}
 
+// drive runs the workload and the scenario through the cluster.
+func (r *liveRun) drive(ctx context.Context, p scheduler.Policy, wall time.Time) (Result, error) {
+	cfg, w := r.cfg, r.w
 	var wg sync.WaitGroup
 	stopAux := make(chan struct{})
 	var actErr error
@@ -90,7 +108,7 @@ func runLive(ctx context.Context, cfg *Config, w *Workload, p scheduler.Policy) 
 	}
 	res := summarize(p.String(), cfg.Scenario.String(), "live", r.recs, cfg.Engines)
 	res.Wall = time.Since(wall)
-	res.IndexTraffic = indexTraffic(c.Relay().PrefixTraffic(), r.model(time.Since(r.start)))
+	res.IndexTraffic = indexTraffic(r.prefixTraffic(), r.model(time.Since(r.start)))
 	return res, nil
 }
 
@@ -229,13 +247,19 @@ func (r *liveRun) do(ctx context.Context, session string, msgs []message, maxTok
 	if err != nil {
 		return "", err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.c.URL()+"/v1/chat/completions", bytes.NewReader(b))
+	base, key := "", liveRelaysKey
+	if r.lr != nil {
+		base = r.lr.url()
+	} else {
+		base, key = r.c.URL(), r.c.APIKey()
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(b))
 	if err != nil {
 		return "", err
 	}
-	req.Header.Set("Authorization", "Bearer "+r.c.APIKey())
+	req.Header.Set("Authorization", "Bearer "+key)
 	req.Header.Set("Content-Type", "application/json")
-	if session != "" { // a keyless replay names no session
+	if !r.cfg.Keyless && session != "" { // a keyless replay names no session
 		req.Header.Set("X-Session-ID", session)
 	}
 	resp, err := r.client.Do(req)
@@ -378,4 +402,23 @@ func indexTraffic(byAgent map[string]uint64, span time.Duration) *IndexTraffic {
 	t.Mean = float64(t.Bytes) / float64(len(byAgent)) / s
 	t.Max = float64(most) / s
 	return t
+}
+
+// prefixTraffic returns the prefix index bytes each agent sent, over all
+// the run's relays.
+func (r *liveRun) prefixTraffic() map[string]uint64 {
+	var relays []*relay.Relay
+	if r.c != nil {
+		relays = append(relays, r.c.Relay())
+	}
+	if r.lr != nil {
+		relays = append(relays, r.lr.relays...)
+	}
+	out := make(map[string]uint64)
+	for _, rl := range relays {
+		for a, b := range rl.PrefixTraffic() {
+			out[a] += b
+		}
+	}
+	return out
 }
