@@ -52,9 +52,14 @@ func startSimEngine(t testing.TB, cacheBlocks int) *simengine.Server {
 // startIndexAgent runs package agent in front of engine url, publishing its
 // prefix index every 20 ms; kvTokens overrides the capacity read from the
 // engine (0: read it).
-func startIndexAgent(t testing.TB, rl *itRelay, name, url string, kvTokens int) *realAgent {
+func startIndexAgent(t testing.TB, rl *itRelay, name, url string, kvTokens int, more ...*itRelay) *realAgent {
 	t.Helper()
+	var others []string
+	for _, o := range more {
+		others = append(others, o.r.Addrs()[0].String())
+	}
 	a, err := agent.New(agent.Config{
+		Relays:          others,
 		Relay:           rl.r.Addrs()[0].String(),
 		Token:           itToken,
 		Upstream:        url,
@@ -517,4 +522,26 @@ func testLogger() zerolog.Logger {
 		return zerolog.New(os.Stderr).Level(zerolog.DebugLevel)
 	}
 	return zerolog.New(io.Discard)
+}
+
+// TestPrefixIndexToEveryRelay: an agent joined to two relays publishes its
+// index to both, so a request through one relay teaches the other.
+func TestPrefixIndexToEveryRelay(t *testing.T) {
+	r1, r2 := indexRelay(t, "", ""), indexRelay(t, "", "")
+	a := startIndexAgent(t, r1, "both", startSimEngine(t, 0).URL(), 0, r2)
+	for _, rl := range []*itRelay{r1, r2} {
+		waitFor(t, "publishing to each relay", func() bool {
+			return metric(t, rl, `computeflux_prefix_updates_total{agent="both",type="snapshot"}`) >= 1
+		})
+	}
+	keylessChat(t, r1, words("multi", 8<<10), "q", false)
+	waitFor(t, "the agent's index", func() bool { return a.a.IndexStats().Blocks >= 32 })
+	for _, rl := range []*itRelay{r1, r2} {
+		waitFor(t, "the same entries at both relays", func() bool {
+			return rl.r.Scheduler().IndexStats().Entries == a.a.IndexStats().Blocks
+		})
+	}
+	if got := a.a.IndexStats().Relays; got != 2 {
+		t.Fatalf("publishing to %d relays", got)
+	}
 }
