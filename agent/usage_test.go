@@ -102,7 +102,9 @@ func newIndexedAgent(t *testing.T, h http.Handler, kvTokens int) *Agent {
 	}
 	t.Cleanup(func() {
 		a.client.CloseIdleConnections()
-		a.cfg.UpstreamTransport.(*http.Transport).CloseIdleConnections()
+		if c, ok := a.cfg.UpstreamTransport.(interface{ CloseIdleConnections() }); ok {
+			c.CloseIdleConnections()
+		}
 	})
 	return a
 }
