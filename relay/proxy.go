@@ -67,7 +67,11 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	session := sessionKey(req, rt)
 	rl.model, rl.stream, rl.session = rt.model, rt.stream, session != ""
 
-	att := r.sched.Begin(scheduler.Request{Model: rt.model, SessionKey: session})
+	sr := scheduler.Request{Model: rt.model, SessionKey: session}
+	if w, err = r.routeAPI(w, req, body, rt.model, &sr); err != nil { // responses.go
+		return err
+	}
+	att := r.sched.Begin(sr)
 	var (
 		lastErr        error
 		failures       int
@@ -307,7 +311,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	case errors.Is(cause, ErrBadUpstream):
 		msg, code = "The agent sent a malformed event", "upstream_invalid"
 	}
-	_ = cp.writeEvent(streamErrorEvent(msg, code))
+	_ = cp.writeEvent(streamErrorEventFor(req.URL.Path, msg, code))
 	return attemptResult{committed: true, err: cause}
 }
 

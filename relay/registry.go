@@ -380,5 +380,6 @@ func (e *entry) effectiveHealth() scheduler.Health {
 
 func cloneInfo(info transport.JoinInfo) transport.JoinInfo {
 	info.Models = slices.Clone(info.Models)
+	info.APIs = slices.Clone(info.APIs)
 	return info
 }

@@ -35,6 +35,9 @@ type Relay struct {
 	rt      http.RoundTripper
 	metrics *metrics
 	handler http.Handler
+	// responses maps Responses API ids to the agent holding them
+	// (responses.go), with the scheduler's session TTL and bound.
+	responses *responseStore
 
 	host    host.Host // nil with NoP2P
 	ownHost bool      // New created host, so Close closes it
@@ -73,6 +76,7 @@ func New(cfg Config) (*Relay, error) {
 		rt:     cfg.Transport,
 	}
 	r.reg = newRegistry(sched, r.log)
+	r.responses = newResponseStore(sched.Config().SessionTTL, sched.Config().MaxSessions)
 	r.metrics = newMetrics(r)
 	r.reg.onChange = r.metrics.updateRoutable
 	r.handler = http.HandlerFunc(r.serveHTTP)

@@ -13,6 +13,12 @@ type Request struct {
 	Model string
 	// SessionKey identifies the conversation; empty means none.
 	SessionKey string
+	// Allow, when non-nil, is a hard constraint: only endpoints for which
+	// it returns true may serve (the one engine that stores a response the
+	// request continues, or those whose engine serves the request's API).
+	// It is called with the scheduler's lock held: it must be fast and must
+	// not call the scheduler.
+	Allow func(endpointID string) bool
 }
 
 // Affinity says how a pick related to the session's previous endpoint. The
@@ -106,11 +112,13 @@ const (
 	ExclusionUsedKey
 	// ExclusionModel: it does not serve the requested model.
 	ExclusionModel
+	// ExclusionAllow: the request's Allow constraint rejects it.
+	ExclusionAllow
 )
 
 // String returns a short lower-case name.
 func (x Exclusion) String() string {
-	return [...]string{"none", "disabled", "dead-key", "used-key", "model"}[min(int(x), 4)]
+	return [...]string{"none", "disabled", "dead-key", "used-key", "model", "allow"}[min(int(x), 5)]
 }
 
 // Attempt is the per-request state: the exclusions learned from earlier
@@ -166,6 +174,8 @@ func (a *Attempt) exclusion(e *endpoint, checkModel bool) Exclusion {
 		return ExclusionUsedKey
 	case checkModel && !e.serves(a.req.Model):
 		return ExclusionModel
+	case a.req.Allow != nil && !a.req.Allow(e.id):
+		return ExclusionAllow
 	}
 	return ExclusionNone
 }
