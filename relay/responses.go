@@ -255,7 +255,11 @@ func (w *responseIDWriter) Unwrap() http.ResponseWriter { return w.ResponseWrite
 func (w *responseIDWriter) WriteHeader(status int) {
 	w.status = status
 	if status/100 == 2 {
-		w.agent = w.Header().Get(HeaderAgent)
+		// The attempt sets the header under its documented spelling,
+		// not the canonical one.
+		if v := w.Header()[HeaderAgent]; len(v) > 0 {
+			w.agent = v[0]
+		}
 		w.sse = strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream")
 	} else {
 		w.done = true

@@ -1,6 +1,10 @@
 package simengine
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // collector exports the engine's statistics under vLLM's metric names, with
 // vLLM's model_name label, so tools that read a vLLM engine's /metrics read
@@ -22,7 +26,8 @@ var (
 	descCancelled  = prometheus.NewDesc("simengine_requests_cancelled_total", "Requests whose client went away before the end.", labels, nil)
 	descRejected   = prometheus.NewDesc("simengine_requests_rejected_total", "Requests refused because the queue was full.", labels, nil)
 	descSlowdown   = prometheus.NewDesc("simengine_slowdown_factor", "How many times slower than configured the engine runs.", labels, nil)
-	collectorDescs = []*prometheus.Desc{descRunning, descWaiting, descKVUsage, descPCQueries, descPCHits, descPrompt, descGeneration, descSuccess, descCachedBlks, descCapacity, descCancelled, descRejected, descSlowdown}
+	descCacheInfo  = prometheus.NewDesc("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.", []string{"block_size", "num_gpu_blocks"}, nil)
+	collectorDescs = []*prometheus.Desc{descCacheInfo, descRunning, descWaiting, descKVUsage, descPCQueries, descPCHits, descPrompt, descGeneration, descSuccess, descCachedBlks, descCapacity, descCancelled, descRejected, descSlowdown}
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
@@ -40,6 +45,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	n := func(d *prometheus.Desc, v uint64) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), m)
 	}
+	ec := c.s.cfg.Engine
+	ch <- prometheus.MustNewConstMetric(descCacheInfo, prometheus.GaugeValue, 1, strconv.Itoa(ec.BlockSize), strconv.Itoa(ec.CacheBlocks))
 	g(descRunning, float64(st.Running))
 	g(descWaiting, float64(st.Waiting))
 	g(descKVUsage, st.KVCacheUsage)
