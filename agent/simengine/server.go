@@ -121,8 +121,8 @@ type Server struct {
 	realEpoch time.Time // real time at New; model time equals it at that instant
 	ids       atomic.Uint64
 	stored    *responseStore // Responses API objects (responses.go)
-	wake      chan struct{} // capacity 1: the engine's next event may have moved
-	closing   chan struct{} // closed when Run stops: requests in flight end
+	wake      chan struct{}  // capacity 1: the engine's next event may have moved
+	closing   chan struct{}  // closed when Run stops: requests in flight end
 
 	mu        sync.Mutex // guards the following fields
 	eng       *Engine
