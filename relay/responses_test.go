@@ -241,3 +241,18 @@ func TestMessagesRoutedToEnginesThatServeThem(t *testing.T) {
 		t.Fatalf("GET /v1/messages: %+v", e)
 	}
 }
+
+// FuzzScanResponseID: the id scanner never panics and returns only ids it
+// bounds, on any prefix of any body.
+func FuzzScanResponseID(f *testing.F) {
+	f.Add([]byte(`{"id":"resp_1","object":"response"}`), false)
+	f.Add([]byte("event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_2\"}}\n\n"), true)
+	f.Add([]byte(`{"object":"response","output":[{"id":"x"}],"id":"resp_3"}`), false)
+	f.Fuzz(func(t *testing.T, b []byte, sse bool) {
+		for _, n := range []int{len(b), len(b) / 2} {
+			if id, ok := scanResponseID(b[:n], sse); ok && !validResponseID(id) {
+				t.Fatalf("id %q", id)
+			}
+		}
+	})
+}
