@@ -155,11 +155,11 @@ func TestUnknownEngine(t *testing.T) {
 
 func TestCacheConfigTokens(t *testing.T) {
 	for line, want := range map[string]int{
-		`vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0`:              1600,
-		`vllm:cache_config_info{num_gpu_blocks="None",block_size="16"} 1.0`:             0,
-		`vllm:cache_config_info{a="x\"y",block_size="32",num_gpu_blocks="10"} 1`:        320,
+		`vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0`:             1600,
+		`vllm:cache_config_info{num_gpu_blocks="None",block_size="16"} 1.0`:            0,
+		`vllm:cache_config_info{a="x\"y",block_size="32",num_gpu_blocks="10"} 1`:       320,
 		`vllm:cache_config_info{block_size="16",num_gpu_blocks="99999999999999999"} 1`: 0,
-		`vllm:cache_config_info{block_size=16} 1`:                                       0,
+		`vllm:cache_config_info{block_size=16} 1`:                                      0,
 	} {
 		if got := cacheConfigTokens(line); got != want {
 			t.Errorf("%s: %d, want %d", line, got, want)
