@@ -104,13 +104,6 @@ func (s *responseStore) drop(id string) {
 	}
 }
 
-// len returns the number of remembered responses.
-func (s *responseStore) len() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.lru.Len()
-}
-
 func (s *responseStore) expireLocked(now time.Time) {
 	for el := s.lru.Back(); el != nil && now.Sub(el.Value.(*respEntry).seen) > s.ttl; el = s.lru.Back() {
 		s.removeLocked(el)
@@ -257,6 +250,7 @@ func (w *responseIDWriter) WriteHeader(status int) {
 	if status/100 == 2 {
 		// The attempt sets the header under its documented spelling,
 		// not the canonical one.
+		//lint:ignore SA1008 the key is set without canonicalising (proxy.go)
 		if v := w.Header()[HeaderAgent]; len(v) > 0 {
 			w.agent = v[0]
 		}

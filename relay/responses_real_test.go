@@ -133,7 +133,7 @@ func TestResponsesThroughRealParts(t *testing.T) {
 	}
 	sys := simengine.Filler(1, 400)
 	resp, b := postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"instructions":%q,"input":"Hello"}`, simengine.DefaultModel, sys))
-	if resp.StatusCode != 200 || json.Unmarshal(b, &r) != nil || r.ID == "" {
+	if resp.StatusCode != http.StatusOK || json.Unmarshal(b, &r) != nil || r.ID == "" {
 		t.Fatalf("first turn: %d %s", resp.StatusCode, b)
 	}
 	home := resp.Header.Get("X-ComputeFlux-Agent")
@@ -141,7 +141,7 @@ func TestResponsesThroughRealParts(t *testing.T) {
 		stream := turn%2 == 0
 		resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"turn %d","previous_response_id":%q,"stream":%v}`,
 			simengine.DefaultModel, turn, r.ID, stream))
-		if resp.StatusCode != 200 || resp.Header.Get("X-ComputeFlux-Agent") != home {
+		if resp.StatusCode != http.StatusOK || resp.Header.Get("X-ComputeFlux-Agent") != home {
 			t.Fatalf("turn %d: %d on %s (home %s): %s", turn, resp.StatusCode, resp.Header.Get("X-ComputeFlux-Agent"), home, b)
 		}
 		if stream {
@@ -179,7 +179,7 @@ func TestResponsesThroughRealParts(t *testing.T) {
 	}
 	gb, _ := io.ReadAll(gr.Body)
 	gr.Body.Close()
-	if gr.StatusCode != 200 || !strings.Contains(string(gb), r.ID) {
+	if gr.StatusCode != http.StatusOK || !strings.Contains(string(gb), r.ID) {
 		t.Fatalf("GET: %d %s", gr.StatusCode, gb)
 	}
 
@@ -195,15 +195,15 @@ func TestResponsesThroughRealParts(t *testing.T) {
 		return true
 	})
 	resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"again","previous_response_id":%q}`, simengine.DefaultModel, r.ID))
-	if resp.StatusCode != 404 || !strings.Contains(string(b), `"code":"previous_response_not_found"`) {
+	if resp.StatusCode != http.StatusNotFound || !strings.Contains(string(b), `"code":"previous_response_not_found"`) {
 		t.Fatalf("after the holder left: %d %s", resp.StatusCode, b)
 	}
 	// A fresh conversation still works on the others.
-	if resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"new"}`, simengine.DefaultModel)); resp.StatusCode != 200 {
+	if resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"new"}`, simengine.DefaultModel)); resp.StatusCode != http.StatusOK {
 		t.Fatalf("new conversation: %d %s", resp.StatusCode, b)
 	}
 	// The sim engine does not serve /v1/messages: nobody lists it.
-	if resp, b = postJSON(t, rl.url+"/v1/messages", fmt.Sprintf(`{"model":%q,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, simengine.DefaultModel)); resp.StatusCode != 404 {
+	if resp, b = postJSON(t, rl.url+"/v1/messages", fmt.Sprintf(`{"model":%q,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, simengine.DefaultModel)); resp.StatusCode != http.StatusNotFound {
 		t.Fatalf("/v1/messages: %d %s", resp.StatusCode, b)
 	}
 }

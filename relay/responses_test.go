@@ -53,7 +53,7 @@ func responseID(t *testing.T, resp *http.Response) (string, string) {
 	t.Helper()
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != 200 {
+	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("status %d: %s", resp.StatusCode, b)
 	}
 	var v struct{ ID string }
@@ -76,7 +76,7 @@ func wantNotFound(t *testing.T, resp *http.Response, param string) {
 			Code    *string `json:"code"`
 		} `json:"error"`
 	}
-	if resp.StatusCode != 404 || json.Unmarshal(b, &v) != nil || v.Error.Type != "invalid_request_error" || !strings.Contains(v.Error.Message, "not found") {
+	if resp.StatusCode != http.StatusNotFound || json.Unmarshal(b, &v) != nil || v.Error.Type != "invalid_request_error" || !strings.Contains(v.Error.Message, "not found") {
 		t.Fatalf("want OpenAI's 404, got %d %s", resp.StatusCode, b)
 	}
 	if param == "" {
@@ -152,19 +152,19 @@ func TestResponsesHardAffinity(t *testing.T) {
 		resp = tb.do("GET", "/v1/responses/"+id, "")
 		b, _ = io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if resp.StatusCode != 200 || !strings.Contains(string(b), `"agent":"`+agent+`"`) {
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"agent":"`+agent+`"`) {
 			t.Fatalf("GET %s: %d %s", id, resp.StatusCode, b)
 		}
 		resp = tb.do("DELETE", "/v1/responses/"+id, "")
 		resp.Body.Close()
-		if resp.StatusCode != 200 {
+		if resp.StatusCode != http.StatusOK {
 			t.Fatalf("DELETE: %d", resp.StatusCode)
 		}
 		wantNotFound(t, tb.do("GET", "/v1/responses/"+id, ""), "")
 		wantNotFound(t, tb.do("POST", "/v1/responses", fmt.Sprintf(`{"model":"m1","input":"x","previous_response_id":%q}`, id)), "previous_response_id")
 		resp = tb.do("PUT", "/v1/responses/"+id, "")
 		resp.Body.Close()
-		if resp.StatusCode != 405 {
+		if resp.StatusCode != http.StatusMethodNotAllowed {
 			t.Fatalf("PUT: %d", resp.StatusCode)
 		}
 		break
@@ -233,7 +233,7 @@ func TestMessagesRoutedToEnginesThatServeThem(t *testing.T) {
 		resp := tb.do("POST", "/v1/messages", body, "X-Session-ID", fmt.Sprint("s", i))
 		b, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if resp.StatusCode != 200 || resp.Header.Get(HeaderAgent) != "b" || !strings.Contains(string(b), "from b") {
+		if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderAgent) != "b" || !strings.Contains(string(b), "from b") {
 			t.Fatalf("%d %s %s", resp.StatusCode, resp.Header.Get(HeaderAgent), b)
 		}
 	}

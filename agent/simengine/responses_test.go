@@ -34,7 +34,7 @@ func TestResponsesConversation(t *testing.T) {
 	ts := startServer(t, Config{})
 	instr := "You are a terse assistant. " + Filler(5, 200)
 	resp, body := ts.post(t, "/v1/responses", map[string]any{"model": DefaultModel, "instructions": instr, "input": "Hello", "max_output_tokens": 20})
-	if resp.StatusCode != 200 {
+	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("turn 1: %d %s", resp.StatusCode, body)
 	}
 	var r1 respJSON
@@ -53,7 +53,7 @@ func TestResponsesConversation(t *testing.T) {
 	resp, body = ts.post(t, "/v1/responses", map[string]any{"model": DefaultModel, "input": []map[string]any{
 		{"role": "user", "content": []map[string]string{{"type": "input_text", "text": "More"}}}},
 		"previous_response_id": r1.ID, "stream": true, "max_output_tokens": 5})
-	if resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
 		t.Fatalf("turn 2: %d %s", resp.StatusCode, body)
 	}
 	var names []string
@@ -99,7 +99,7 @@ func TestResponsesConversation(t *testing.T) {
 	// Turn 3 continues turn 2.
 	resp, body = ts.post(t, "/v1/responses", map[string]any{"model": DefaultModel, "input": "Again", "previous_response_id": completed.ID})
 	var r3 respJSON
-	if err := json.Unmarshal(body, &r3); err != nil || resp.StatusCode != 200 {
+	if err := json.Unmarshal(body, &r3); err != nil || resp.StatusCode != http.StatusOK {
 		t.Fatalf("turn 3: %d %s", resp.StatusCode, body)
 	}
 	prevTokens = completed.Usage.InputTokens + completed.Usage.OutputTokens
@@ -115,7 +115,7 @@ func TestResponsesConversation(t *testing.T) {
 	var got respJSON
 	_ = json.NewDecoder(get.Body).Decode(&got)
 	get.Body.Close()
-	if get.StatusCode != 200 || got.ID != r1.ID || got.Output[0].Content[0].Text != r1.Output[0].Content[0].Text {
+	if get.StatusCode != http.StatusOK || got.ID != r1.ID || got.Output[0].Content[0].Text != r1.Output[0].Content[0].Text {
 		t.Fatalf("GET: %d %+v", get.StatusCode, got)
 	}
 	del, _ := http.NewRequest(http.MethodDelete, ts.url+"/v1/responses/"+r1.ID, nil)
@@ -124,24 +124,24 @@ func TestResponsesConversation(t *testing.T) {
 		t.Fatal(err)
 	}
 	dr.Body.Close()
-	if dr.StatusCode != 200 {
+	if dr.StatusCode != http.StatusOK {
 		t.Fatalf("DELETE: %d", dr.StatusCode)
 	}
 	resp, body = ts.post(t, "/v1/responses", map[string]any{"model": DefaultModel, "input": "x", "previous_response_id": r1.ID})
-	if resp.StatusCode != 404 || !strings.Contains(string(body), `"code":"previous_response_not_found"`) || !strings.Contains(string(body), `"param":"previous_response_id"`) {
+	if resp.StatusCode != http.StatusNotFound || !strings.Contains(string(body), `"code":"previous_response_not_found"`) || !strings.Contains(string(body), `"param":"previous_response_id"`) {
 		t.Fatalf("deleted previous: %d %s", resp.StatusCode, body)
 	}
 	// store:false is not kept.
-	resp, body = ts.post(t, "/v1/responses", map[string]any{"model": DefaultModel, "input": "x", "store": false, "max_output_tokens": 2})
+	_, body = ts.post(t, "/v1/responses", map[string]any{"model": DefaultModel, "input": "x", "store": false, "max_output_tokens": 2})
 	var r4 respJSON
 	_ = json.Unmarshal(body, &r4)
-	if g, _ := ts.client.Get(ts.url + "/v1/responses/" + r4.ID); g == nil || g.StatusCode != 404 {
+	if g, _ := ts.client.Get(ts.url + "/v1/responses/" + r4.ID); g == nil || g.StatusCode != http.StatusNotFound {
 		t.Fatalf("store:false response was stored")
 	} else {
 		g.Body.Close()
 	}
 	for _, bad := range []string{`{"model":"computeflux-sim"}`, `{"input":[{"type":"function_call"}]}`, `{"input":""}`} {
-		if resp, body := ts.post(t, "/v1/responses", bad); resp.StatusCode != 400 {
+		if resp, body := ts.post(t, "/v1/responses", bad); resp.StatusCode != http.StatusBadRequest {
 			t.Errorf("%s: %d %s", bad, resp.StatusCode, body)
 		}
 	}
