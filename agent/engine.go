@@ -196,13 +196,18 @@ func (p *engineProber) identify(ctx context.Context, ownedBy string) EngineInfo 
 			}
 		}
 	}
-	info.APIs = p.apis(ctx)
+	if info.Kind != EngineUnknown {
+		// An unknown engine is served by its OpenAI endpoints only: it
+		// gets no probe that it might take for a request.
+		info.APIs = p.apis(ctx)
+	}
 	return info
 }
 
-// apis finds which optional APIs the engine serves: from its OpenAPI
-// document when it has one (vLLM and SGLang are FastAPI servers, TGI
-// publishes /api-doc/openapi.json), else by sending each path an empty
+// apis finds which optional APIs a recognised engine serves: from its
+// OpenAPI document when it has one (vLLM and SGLang are FastAPI servers,
+// TGI publishes /api-doc/openapi.json), else (llama.cpp, Ollama, a vLLM
+// started with --disable-fastapi-docs) by sending each path an empty
 // request and seeing whether the route exists.
 func (p *engineProber) apis(ctx context.Context) []string {
 	for _, doc := range []string{"/openapi.json", "/api-doc/openapi.json"} {
