@@ -10,7 +10,6 @@ import (
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
-	ma "github.com/multiformats/go-multiaddr"
 
 	"github.com/computeflux/computeflux/transport"
 )
@@ -86,7 +85,6 @@ func (a *Agent) startGossip(ctx context.Context, h host.Host, wg *sync.WaitGroup
 	if gc.Disabled {
 		return nil
 	}
-	relay := a.relay
 	g, err := transport.NewGossip(transport.GossipConfig{
 		Host:   h,
 		Logger: a.cfg.Logger,
@@ -94,15 +92,15 @@ func (a *Agent) startGossip(ctx context.Context, h host.Host, wg *sync.WaitGroup
 		Tune:   gc.Tune,
 		// Our relay, and the members it told us about: other agents must be
 		// able to probe us (indirect probes included).
-		Admit:        func(p peer.ID) bool { return p == relay.ID },
+		Admit:        a.isRelay,
 		AdmitMembers: true,
 		// Other agents sit behind NAT too: reach them through the relay's
 		// circuit; libp2p moves the connection to a direct path when hole
 		// punching succeeds, and later streams take it.
-		Resolve:    func(p peer.ID) []ma.Multiaddr { return transport.CircuitAddrs(relay, p) },
+		Resolve:    a.circuitAddrs,
 		MetaSource: a.gossipMeta,
 		OnEvent: func(ev transport.GossipEvent) {
-			if ev.Type == transport.GossipAlive && ev.Peer != relay.ID {
+			if ev.Type == transport.GossipAlive && !a.isRelay(ev.Peer) {
 				a.predial(ctx, h, ev.Peer, wg)
 			}
 		},
@@ -154,7 +152,7 @@ func (a *Agent) predial(ctx context.Context, h host.Host, p peer.ID, wg *sync.Wa
 		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
 		dctx = network.WithAllowLimitedConn(dctx, "gossip")
-		if err := h.Connect(dctx, peer.AddrInfo{ID: p, Addrs: transport.CircuitAddrs(a.relay, p)}); err != nil {
+		if err := h.Connect(dctx, peer.AddrInfo{ID: p, Addrs: a.circuitAddrs(p)}); err != nil {
 			a.log.Debug().Err(err).Stringer("peer", p).Msg("dial a new member through the relay")
 		}
 	}()
@@ -184,7 +182,7 @@ func (a *Agent) gossipJoinLoop(ctx context.Context, g *transport.Gossip) {
 		pause := 250 * time.Millisecond
 		for attempt := 1; ; attempt++ {
 			start := time.Now()
-			n, err := g.Join(a.relay.ID)
+			n, err := g.Join(a.gossipSeeds()...)
 			if err == nil && n > 0 {
 				a.log.Info().Int("members", g.NumMembers()).Dur("took", time.Since(start)).Int("attempt", attempt).Msg("joined the gossip")
 				break

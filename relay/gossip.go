@@ -178,9 +178,9 @@ func (g *Registry) gossipEvent(ev transport.GossipEvent) {
 			e.dead, upsert = false, true
 		}
 		if upsert {
-			g.sched.Upsert(e.endpoint())
+			g.sched.Upsert(g.endpoint(e))
 		}
-		g.sched.SetHealth(e.name, e.effectiveHealth())
+		g.sched.SetHealth(e.name, g.health(e))
 	case transport.GossipDead, transport.GossipLeft:
 		if ev.Type == transport.GossipLeft {
 			e.health.Draining = true
@@ -291,7 +291,7 @@ func (r *Relay) startP2PAdmission(relays map[peer.ID]bool) {
 				return
 			case now := <-t.C:
 				for _, p := range r.reg.overdue(now) {
-					if r.reg.IsJoined(p) || relays[p] {
+					if r.reg.IsJoined(p) || relays[p] || (r.peers != nil && r.peers.known(p)) {
 						continue
 					}
 					r.log.Debug().Stringer("peer", p).Msg("disconnecting a peer that did not join")
@@ -314,7 +314,7 @@ func (r *Relay) startGossip() error {
 		Logger: r.cfg.Logger,
 		Preset: gc.Preset,
 		Tune:   gc.Tune,
-		Admit:  func(p peer.ID) bool { return rg.relays[p] || r.reg.GossipAdmitted(p) },
+		Admit:  func(p peer.ID) bool { return rg.relays[p] || r.reg.GossipAdmitted(p) || r.peerAdmitted(p) },
 		MetaSource: func() transport.NodeMeta {
 			return transport.NodeMeta{Role: transport.NodeRoleRelay, Draining: r.draining.Load()}
 		},

@@ -34,6 +34,12 @@ type Registry struct {
 	// onChange, if set, is called (without mu held) after the routable set
 	// may have changed.
 	onChange func()
+	// onRelays, if set, is called (without mu held) with the relays a
+	// joining or updating agent names (peers.go).
+	onRelays func([]string)
+	// ops, if set, holds the operator's settings that win over what agents
+	// declare, and the names reserved for provider endpoints (operator.go).
+	ops *operator
 
 	mu     sync.Mutex        // guards the following fields
 	byName map[string]*entry // agent name -> entry
@@ -162,6 +168,9 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	if info.Name == "" || len(info.Name) > maxNameLen {
 		return ErrBadName
 	}
+	if g.ops.isReserved(info.Name) {
+		return fmt.Errorf("%w: %q is a provider endpoint", ErrNameTaken, info.Name)
+	}
 	g.mu.Lock()
 	if e, ok := g.byName[info.Name]; ok && e.peer != p {
 		g.mu.Unlock()
@@ -189,13 +198,16 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	if oldName != "" {
 		g.sched.Remove(oldName)
 	}
-	g.sched.Upsert(e.endpoint())
-	g.sched.SetHealth(e.name, e.effectiveHealth())
+	g.sched.Upsert(g.endpoint(e))
+	g.sched.SetHealth(e.name, g.health(e))
 	g.mu.Unlock()
 
 	g.log.Info().Str("agent", info.Name).Stringer("peer", p).Strs("models", info.Models).
 		Int("capacity", info.Capacity).Bool("draining", info.Draining).Msg("agent joined")
 	g.changed()
+	if g.onRelays != nil && len(info.Relays) > 0 {
+		g.onRelays(info.Relays)
+	}
 	return nil
 }
 
@@ -212,15 +224,19 @@ func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
 	}
 	info.Name = e.name
 	e.info = cloneInfo(info)
+	relays := info.Relays
 	if !e.dead {
-		g.sched.Upsert(e.endpoint())
-		g.sched.SetHealth(e.name, e.effectiveHealth())
+		g.sched.Upsert(g.endpoint(e))
+		g.sched.SetHealth(e.name, g.health(e))
 	}
 	g.mu.Unlock()
 
 	g.log.Info().Str("agent", info.Name).Strs("models", info.Models).Int("capacity", info.Capacity).
 		Bool("draining", info.Draining).Msg("agent updated")
 	g.changed()
+	if g.onRelays != nil && len(relays) > 0 {
+		g.onRelays(relays)
+	}
 }
 
 // Left removes the agent that peer p joined as and frees its name.
@@ -252,7 +268,7 @@ func (g *Registry) SetHealth(name string, h scheduler.Health) {
 	if ok {
 		e.health = h
 		if !e.dead {
-			g.sched.SetHealth(name, e.effectiveHealth())
+			g.sched.SetHealth(name, g.health(e))
 		}
 	}
 	g.mu.Unlock()
@@ -273,8 +289,8 @@ func (g *Registry) SetDead(name string, dead bool) {
 		if dead {
 			g.sched.Remove(name)
 		} else {
-			g.sched.Upsert(e.endpoint())
-			g.sched.SetHealth(name, e.effectiveHealth())
+			g.sched.Upsert(g.endpoint(e))
+			g.sched.SetHealth(name, g.health(e))
 		}
 	}
 	g.mu.Unlock()
@@ -381,5 +397,6 @@ func (e *entry) effectiveHealth() scheduler.Health {
 func cloneInfo(info transport.JoinInfo) transport.JoinInfo {
 	info.Models = slices.Clone(info.Models)
 	info.APIs = slices.Clone(info.APIs)
+	info.Relays = slices.Clone(info.Relays)
 	return info
 }

@@ -39,11 +39,18 @@ type Relay struct {
 	// (responses.go), with the scheduler's session TTL and bound.
 	responses *responseStore
 
+	ops       *operator     // the operator's settings (operator.go)
+	providers *providerSet  // provider endpoints (providers.go)
+	stats     *statsWindow  // recent requests, for the status page (admin.go)
+	adminAddr atomic.Value  // string: the admin listener's address
+	rttKick   chan struct{} // wakes the RTT prober (admin.go), which runs only with a host
+
 	host    host.Host // nil with NoP2P
 	ownHost bool      // New created host, so Close closes it
 	join    io.Closer // the join service on host
 
 	gossip *relayGossip // nil when gossip is off or without a host
+	peers  *peerManager // nil when sharing with peer relays is off or without a host
 	// draining is set once the relay starts stopping; gossip publishes it.
 	draining atomic.Bool
 	// bgCtx ends when Close starts; bgWG waits for the goroutines it bounds.
@@ -75,10 +82,15 @@ func New(cfg Config) (*Relay, error) {
 		limits: newKeyLimits(cfg.KeyRPM, cfg.KeyConcurrency, cfg.Clock),
 		rt:     cfg.Transport,
 	}
+	r.rttKick = make(chan struct{}, 1)
 	r.reg = newRegistry(sched, r.log)
 	r.responses = newResponseStore(sched.Config().SessionTTL, sched.Config().MaxSessions)
+	r.ops = newOperator(cfg.MaxAgentWeight)
+	r.reg.ops = r.ops
+	r.providers = newProviderSet(r)
+	r.stats = newStatsWindow()
 	r.metrics = newMetrics(r)
-	r.reg.onChange = r.metrics.updateRoutable
+	r.reg.onChange = func() { r.metrics.updateRoutable(); r.kickRTT() }
 	r.handler = http.HandlerFunc(r.serveHTTP)
 
 	if !cfg.NoP2P {
@@ -108,6 +120,11 @@ func New(cfg Config) (*Relay, error) {
 			}
 			r.host, r.ownHost = h, true
 		}
+		if !cfg.Peers.Disabled {
+			// Before the join service: agents' relay lists feed it.
+			r.peers = newPeerManager(r)
+			r.reg.onRelays = r.peers.hint
+		}
 		join, err := transport.ServeJoin(r.host, cfg.Token, r.reg)
 		if err != nil {
 			if r.ownHost {
@@ -126,12 +143,17 @@ func New(cfg Config) (*Relay, error) {
 			// that have nothing to do with joining.
 			r.startP2PAdmission(peerRelays)
 		}
+		r.startRTT()
 		if !cfg.Gossip.Disabled {
 			if err := r.startGossip(); err != nil {
 				_ = r.Close()
 				return nil, err
 			}
 			r.metrics.reg.MustRegister(gossipCollector{r})
+		}
+		if r.peers != nil {
+			r.peers.start()
+			r.metrics.reg.MustRegister(peerCollector{r.peers})
 		}
 		if r.rt == nil {
 			r.rt = transport.NewRoundTripper(r.host)
@@ -140,6 +162,13 @@ func New(cfg Config) (*Relay, error) {
 	}
 	if cfg.NoAuth {
 		r.log.Warn().Msg("serving clients without API keys (NoAuth)")
+	}
+	if cfg.EndpointsFile != "" {
+		// Refused at start when malformed; a failed discovery is not.
+		if err := r.ReloadEndpoints(context.Background()); err != nil {
+			_ = r.Close()
+			return nil, fmt.Errorf("relay: %w", err)
+		}
 	}
 	return r, nil
 }
@@ -203,7 +232,14 @@ func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
 		IdleTimeout:       2 * r.cfg.IdleTimeout,
 		ErrorLog:          stdlog.New(r.log.With().Str("source", "http").Logger(), "", 0),
 	}
+	stopAdmin, aerr := r.serveAdmin()
+	if aerr != nil {
+		_ = ln.Close()
+		return aerr
+	}
+	defer stopAdmin()
 	r.log.Info().Str("addr", ln.Addr().String()).Msg("relay http listening")
+	r.warmUp(ctx)
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {
@@ -237,8 +273,16 @@ func (r *Relay) Close() error {
 			r.bgCancel()
 			r.bgWG.Wait()
 		}
+		if r.peers != nil {
+			r.peers.stop()
+		}
+		r.providers.close()
 		if r.gossip != nil {
 			errs = append(errs, r.gossip.shutdown())
+		}
+		if r.peers != nil {
+			// After gossip: a gossip join in progress returns at its shutdown.
+			r.peers.wait()
 		}
 		if r.join != nil {
 			errs = append(errs, r.join.Close())

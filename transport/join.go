@@ -55,6 +55,8 @@ const (
 	maxAPIs      = 32
 	maxModelLen  = 256
 	maxReasonLen = 512
+	maxRelays    = 16
+	maxRelayLen  = 512
 	maxWeight    = 1e6
 	maxCapacity  = 1 << 20
 
@@ -94,6 +96,9 @@ type JoinInfo struct {
 	// that the agent's engine serves (e.g. /v1/responses, /v1/messages);
 	// the relay routes those paths only to agents that list them.
 	APIs []string `json:"apis,omitempty"`
+	// Relays are the multiaddrs (with /p2p/<ID>) of every relay the agent
+	// joins, this one included: relays learn their peers from them.
+	Relays []string `json:"relays,omitempty"`
 }
 
 // JoinHandler receives the registrations of a relay's agents. The relay's
@@ -577,6 +582,14 @@ func validateInfo(info JoinInfo) error {
 	}
 	if info.Capacity < 0 || info.Capacity > maxCapacity {
 		return fmt.Errorf("join info: capacity %d outside 0..%d", info.Capacity, maxCapacity)
+	}
+	if len(info.Relays) > maxRelays {
+		return fmt.Errorf("join info: %d relays exceed %d", len(info.Relays), maxRelays)
+	}
+	for _, r := range info.Relays {
+		if r == "" || len(r) > maxRelayLen || !utf8.ValidString(r) {
+			return fmt.Errorf("join info: relay addresses must be 1..%d bytes of UTF-8", maxRelayLen)
+		}
 	}
 	return nil
 }

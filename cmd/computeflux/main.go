@@ -29,10 +29,16 @@ var commands = []command{
 	{"bench", "compare routing policies on the same workload, side by side", runBench},
 	{"demo", "start engines, agents and a relay on loopback and show routing at work", runDemo},
 	{"version", "print the version and the commit the binary was built from", runVersion},
+	{"status", "print a relay's routing table (agents and provider endpoints) from its admin API", runStatus},
+	{"admin", "disable, enable, drain or weigh an endpoint through a relay's admin API", runAdmin},
 }
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	if err := servePprof(os.Getenv(envPprof)); err != nil {
+		fmt.Fprintf(os.Stderr, "computeflux: %s: %v\n", envPprof, err)
+		os.Exit(2)
+	}
 	err := dispatch(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	switch {
