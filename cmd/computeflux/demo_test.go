@@ -26,7 +26,7 @@ func TestDemo(t *testing.T) {
 	pr, pw := io.Pipe()
 	done := make(chan error, 1)
 	go func() {
-		err := runDemo(ctx, []string{"--engines", "2", "--sessions", "4", "--turns", "3", "--compare-time-scale", "4", "--duration", "10m"}, pw, io.Discard)
+		err := runDemo(ctx, []string{"--engines", "2", "--sessions", "3", "--turns", "3", "--compare-time-scale", "4", "--duration", "10m"}, pw, io.Discard)
 		pw.CloseWithError(io.EOF)
 		done <- err
 	}()
@@ -75,8 +75,10 @@ func TestDemo(t *testing.T) {
 	if !tried || !table || !verdict {
 		t.Fatalf("the demo printed no usable curl line (%v), no summary (%v) or no verdict (%v)", tried, table, verdict)
 	}
-	// Sticky keeps each conversation on the engine that holds it.
-	if len(hits) != 2 || hits["sticky"] <= hits["round-robin"] {
+	// Sticky keeps each conversation on the engine that holds it: every
+	// later turn (two of three) is cached but its newest message. Round-robin
+	// may be lucky, never better.
+	if len(hits) != 2 || hits["sticky"] < 60 || hits["sticky"] < hits["round-robin"] {
 		t.Fatalf("cache hits: %v", hits)
 	}
 }
