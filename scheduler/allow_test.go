@@ -6,14 +6,14 @@ import "testing"
 // allowed endpoints, overriding a session mapped elsewhere, and that a
 // request nobody may serve gets a 503, not another endpoint.
 func TestAllowIsHard(t *testing.T) {
-	for _, p := range []Policy{PolicySticky, PolicyRoundRobin, PolicyRandom, PolicyLeastLoaded, PolicyConsistentHash} {
+	for _, p := range []Policy{PolicySticky, PolicyRoundRobin, PolicyRandom, PolicyLeastLoaded, PolicyConsistentHash, PolicyPrefixHash, PolicyDualMap, PolicySGLang} {
 		t.Run(p.String(), func(t *testing.T) {
 			s, _ := newTest(t, Config{Policy: p}, ep("a"), ep("b"), ep("c"))
 			do(t, s, Request{Model: "m", SessionKey: "k"}, Outcome{Status: 200})
 			only := func(id string) func(string) bool { return func(e string) bool { return e == id } }
 			for _, id := range []string{"a", "b", "c", "b"} {
 				for i := 0; i < 5; i++ {
-					c := do(t, s, Request{Model: "m", SessionKey: "k", Allow: only(id)}, Outcome{Status: 200})
+					c := do(t, s, Request{Model: "m", SessionKey: "k", Prefix: []uint64{1, 2, 3}, Allow: only(id)}, Outcome{Status: 200})
 					if c.EndpointID != id {
 						t.Fatalf("Allow only %s: picked %s", id, c.EndpointID)
 					}
