@@ -71,7 +71,9 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	rl.model, rl.stream, rl.session = rt.model, rt.stream, session != ""
 
 	r.installBinding(session)
-	sr := scheduler.Request{Model: rt.model, SessionKey: session}
+	blocks := r.promptBlocks(body) // prefix.go
+	defer releaseBlocks(blocks)
+	sr := scheduler.Request{Model: rt.model, SessionKey: session, Prefix: *blocks}
 	if w, err = r.routeAPI(w, req, body, rt.model, &sr); err != nil { // responses.go
 		return err
 	}
@@ -100,6 +102,9 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 			r.metrics.retries.Inc()
 		}
 		rl.attempts = n + 1
+		if n == 0 {
+			r.metrics.index.observePick(len(*blocks), c.CachedBlocks)
+		}
 		rl.agent, rl.affinity = c.EndpointID, c.Affinity.String()
 		res := r.attempt(w, req, body, att, c, rl)
 		if res.committed {
@@ -231,6 +236,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 		return r.failed(ctx, req, report, start, resp.StatusCode, rerr)
 	}
 	ttfb := r.cfg.Clock.Now().Sub(start)
+	att.Started(c) // the prompt is prefilled: no longer the agent's backlog
 	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 	first := buf[:n]
 	if !sse && resp.StatusCode/100 == 2 {
