@@ -336,12 +336,19 @@ func (a *Agent) stayJoined(ctx context.Context, h host.Host) *transport.Membersh
 		m, err := a.join(ctx, h)
 		if err == nil {
 			a.log.Info().Str("relay", a.relay.ID.String()).Msg("joined relay")
+			// The relay reserves circuits for joined peers only.
+			if nat := a.nat.Load(); nat != nil {
+				nat.SetJoined(a.relay.ID, true)
+			}
 			// A relay that restarted forgot the members: join its gossip
 			// after every registration.
 			a.gossipRejoin()
 			since := time.Now()
 			if m = a.serveMembership(ctx, m); m != nil {
 				return m // ctx ended while joined
+			}
+			if nat := a.nat.Load(); nat != nil {
+				nat.SetJoined(a.relay.ID, false)
 			}
 			// A registration that lasted resets the backoff; one that
 			// breaks at once keeps growing it.

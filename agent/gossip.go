@@ -96,6 +96,9 @@ func (a *Agent) startGossip(ctx context.Context, h host.Host, wg *sync.WaitGroup
 		// able to probe us (indirect probes included).
 		Admit:        func(p peer.ID) bool { return p == relay.ID },
 		AdmitMembers: true,
+		// Only the relay's word about other members counts; they are
+		// believed about themselves alone.
+		Trusted: []peer.ID{relay.ID},
 		// Other agents sit behind NAT too: reach them through the relay's
 		// circuit; libp2p moves the connection to a direct path when hole
 		// punching succeeds, and later streams take it.
