@@ -188,9 +188,10 @@ func forgedCompound(t testing.TB, victim, attacker peer.ID, inc uint32) []byte {
 }
 
 // attackLoad sends chat requests for the victim's model until stop closes
-// and counts them.
-func attackLoad(gr *itRelay, stop <-chan struct{}) (ok, total *atomic.Int64, done <-chan struct{}) {
-	ok, total = new(atomic.Int64), new(atomic.Int64)
+// and counts them; with each request it also samples whether the relay's
+// gossip still holds the victim alive with its own metadata (healthy).
+func attackLoad(gr *itRelay, victim peer.ID, stop <-chan struct{}) (ok, total, healthy *atomic.Int64, done <-chan struct{}) {
+	ok, total, healthy = new(atomic.Int64), new(atomic.Int64), new(atomic.Int64)
 	d := make(chan struct{})
 	go func() {
 		defer close(d)
@@ -203,6 +204,9 @@ func attackLoad(gr *itRelay, stop <-chan struct{}) (ok, total *atomic.Int64, don
 			case <-time.After(20 * time.Millisecond):
 			}
 			total.Add(1)
+			if victimHealthy(gr, victim) {
+				healthy.Add(1)
+			}
 			resp, err := hc.Post(gr.url+"/v1/chat/completions", "application/json",
 				strings.NewReader(`{"model":"m1","messages":[{"role":"user","content":"hi"}]}`))
 			if err != nil {
@@ -214,7 +218,7 @@ func attackLoad(gr *itRelay, stop <-chan struct{}) (ok, total *atomic.Int64, don
 			}
 		}
 	}()
-	return ok, total, d
+	return ok, total, healthy, d
 }
 
 // victimHealthy reports whether the relay routes to the victim and its
@@ -232,7 +236,7 @@ func victimHealthy(gr *itRelay, victim peer.ID) bool {
 }
 
 func TestForgedGossipAboutAnotherAgent(t *testing.T) {
-	defer gWaitMemberlistStopped(t)
+	t.Cleanup(func() { gWaitMemberlistStopped(t) }) // runs last
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
 	dir := t.TempDir()
 	v := startGAgent(t, gr, "victim", newGEngine(t, "victim"), filepath.Join(dir, "victim.key"), gFastTune, transport.GossipPresetLocal)
@@ -243,8 +247,8 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 	victimAddrs := func() []ma.Multiaddr { return transport.CircuitAddrs(ri, v.a.ID()) }
 
 	// Below the forgery bar: believed by nobody, but not proof of forgery
-	// either (an honest member may pass on an old claim), so the attacker
-	// keeps going for the whole window.
+	// either (an honest member may pass on a claim it heard), so the
+	// attacker keeps going for the whole window.
 	low := []forgery{
 		{"alive with other metadata", 0, forgedAlive},
 		{"dead", 0, forgedDead},
@@ -253,16 +257,19 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 		{"compound alive and leave", 0, forgedCompound},
 	}
 	for _, f := range low {
-		for _, inc := range []uint32{1, 50} {
+		// From the start, and from far above any incarnation the victim
+		// reached (yet below the forgery bar), each send newer than the
+		// victim's refutation of the previous one.
+		for _, inc := range []uint32{1, 1 << 20} {
 			t.Run(fmt.Sprintf("%s at %d every 500ms", f.name, inc), func(t *testing.T) {
 				ml := newMallory(t, gr)
 				gPoll(t, 30*time.Second, "the victim to know the attacker", func() bool { return v.a.Gossip().Known(ml.h.ID()) })
 				stop := make(chan struct{})
-				ok, total, loadDone := attackLoad(gr, stop)
+				ok, total, healthy, loadDone := attackLoad(gr, v.a.ID(), stop)
 				start := time.Now()
 				sent, toVictim := 0, 0
 				for time.Since(start) < window {
-					msg := f.msg(t, v.a.ID(), ml.h.ID(), inc)
+					msg := f.msg(t, v.a.ID(), ml.h.ID(), inc+uint32(2*sent))
 					if err := ml.send(ri.ID, nil, msg); err != nil {
 						t.Fatalf("send to relay: %v", err)
 					}
@@ -277,10 +284,14 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 				close(stop)
 				<-loadDone
 				rate := float64(ok.Load()) / float64(max(total.Load(), 1))
-				t.Logf("%s at incarnation %d: %d packets to the relay, %d to the victim over %v; victim served %d/%d (%.2f%%); healthy %v after the attack stopped (probe period %v); relay filtered %d",
-					f.name, inc, sent, toVictim, stopped.Sub(start).Round(time.Millisecond), ok.Load(), total.Load(), 100*rate, back.Round(time.Millisecond), probe, gr.r.Gossip().Stats().Filtered)
+				hrate := float64(healthy.Load()) / float64(max(total.Load(), 1))
+				t.Logf("%s at incarnation %d: %d packets to the relay, %d to the victim over %v; victim served %d/%d (%.2f%%), healthy in the relay's gossip in %.2f%% of samples; healthy %v after the attack stopped (probe period %v); relay filtered %d",
+					f.name, inc, sent, toVictim, stopped.Sub(start).Round(time.Millisecond), ok.Load(), total.Load(), 100*rate, 100*hrate, back.Round(time.Millisecond), probe, gr.r.Gossip().Stats().Filtered)
 				if rate < 0.99 {
 					t.Errorf("victim served %.2f%% of requests under attack, want >= 99%%", 100*rate)
+				}
+				if hrate < 0.99 {
+					t.Errorf("victim healthy in the relay's gossip in %.2f%% of samples under attack, want >= 99%%", 100*hrate)
 				}
 				if back > probe {
 					t.Errorf("victim healthy %v after the attack, want within one probe period (%v)", back, probe)
@@ -304,7 +315,7 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 		t.Run(f.name+" at 2^32-1 cuts the attacker off", func(t *testing.T) {
 			ml := newMallory(t, gr)
 			stop := make(chan struct{})
-			ok, total, loadDone := attackLoad(gr, stop)
+			ok, total, healthy, loadDone := attackLoad(gr, v.a.ID(), stop)
 			start := time.Now()
 			var sent int
 			var sendErr error
@@ -328,9 +339,13 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 			close(stop)
 			<-loadDone
 			rate := float64(ok.Load()) / float64(max(total.Load(), 1))
-			t.Logf("%s at 2^32-1: %d packets accepted before the cut-off (%v); rejoin: %v; victim served %d/%d (%.2f%%), healthy %v after", f.name, sent, cut.Round(time.Millisecond), err, ok.Load(), total.Load(), 100*rate, back.Round(time.Millisecond))
+			hrate := float64(healthy.Load()) / float64(max(total.Load(), 1))
+			t.Logf("%s at 2^32-1: %d packets accepted before the cut-off (%v); rejoin: %v; victim served %d/%d (%.2f%%), healthy in %.2f%% of samples, healthy %v after", f.name, sent, cut.Round(time.Millisecond), err, ok.Load(), total.Load(), 100*rate, 100*hrate, back.Round(time.Millisecond))
 			if rate < 0.99 {
 				t.Errorf("victim served %.2f%%, want >= 99%%", 100*rate)
+			}
+			if hrate < 0.99 {
+				t.Errorf("victim healthy in the relay's gossip in %.2f%% of samples, want >= 99%%", 100*hrate)
 			}
 			if back > probe {
 				t.Errorf("victim healthy %v after the attack, want within %v", back, probe)
