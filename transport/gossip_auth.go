@@ -42,10 +42,11 @@ import (
 // spread it. Suspicion raised by an ordinary member's failed probe stays
 // that member's own view: the relay routes on its own probes.
 //
-// A claim that no honest member can make (an incarnation far above the last
-// one its subject announced, or another member's metadata at an incarnation
-// it announced with different metadata) proves the sender forges; the
-// transport reports it (GossipConfig.OnForged) and Gossip stops admitting it.
+// A claim that no honest member can make (an incarnation at the wrap, or far
+// above any its subject ever announced) proves the sender forges; the
+// transport resets its packet stream and reports it (GossipConfig.OnForged),
+// and Gossip stops admitting it. Claims below that bar are only dropped: an
+// honest member may pass on what it heard.
 //
 // Signing each member's metadata (for example with its libp2p key over
 // incarnation and metadata) was the alternative: memberlist asks for the
@@ -115,22 +116,6 @@ func newGossipGuard(self peer.ID, trusted []peer.ID) *gossipGuard {
 
 // isTrusted reports whether p's claims about others count.
 func (gd *gossipGuard) isTrusted(p peer.ID) bool { return gd.trusted[p] }
-
-// trustedPeers returns the trusted members.
-func (gd *gossipGuard) trustedPeers() []peer.ID {
-	out := make([]peer.ID, 0, len(gd.trusted))
-	for p := range gd.trusted {
-		out = append(out, p)
-	}
-	return out
-}
-
-// forget drops what we know of p (it left or was cut off).
-func (gd *gossipGuard) forget(p peer.ID) {
-	gd.mu.Lock()
-	delete(gd.known, p)
-	gd.mu.Unlock()
-}
 
 // Wire shapes of the memberlist messages we read (net.go in v0.7.0).
 type mlPushPullHeader struct {
