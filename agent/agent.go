@@ -282,7 +282,12 @@ func (a *Agent) Run(ctx context.Context) error {
 		ListenAddrs: a.cfg.ListenAddrs,
 		Key:         a.key,
 		Logger:      a.log,
-		Options:     append(nat.Options(), a.cfg.HostOptions...),
+		// Strangers get no connection (so no identify), and peers learn
+		// only addresses they could use.
+		Options: append(append(nat.Options(),
+			libp2p.ConnectionGater(gater{a}),
+			libp2p.AddrsFactory(a.publicAddrs),
+		), a.cfg.HostOptions...),
 	})
 	if err != nil {
 		return fmt.Errorf("agent: %w", err)

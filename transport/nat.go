@@ -282,6 +282,8 @@ type RelayNATConfig struct {
 	PublicCIDRs []netip.Prefix
 	// Limits bounds the circuits; the zero value means the defaults.
 	Limits RelayLimits
+	// Counters, if set, counts reservations, circuits and relayed bytes.
+	Counters *RelayCounters
 }
 
 // aclFilter admits reservations and circuits for admitted peers only.
@@ -318,13 +320,17 @@ func RelayNATOptions(cfg RelayNATConfig) ([]libp2p.Option, error) {
 	// serves admitted peers, many of whom share a home ISP.
 	res.MaxReservationsPerASN = l.MaxReservations
 	extra := slices.Clone(cfg.PublicCIDRs)
+	svc := []relay.Option{
+		relay.WithResources(res),
+		relay.WithACL(aclFilter{admit: cfg.Admit}),
+		relay.WithReservationAddressFilter(func(a ma.Multiaddr) bool { return IsPublicAddr(a, extra) }),
+	}
+	if cfg.Counters != nil {
+		svc = append(svc, relay.WithMetricsTracer(relayTracer{cfg.Counters}))
+	}
 	return []libp2p.Option{
 		libp2p.ForceReachabilityPublic(),
-		libp2p.EnableRelayService(
-			relay.WithResources(res),
-			relay.WithACL(aclFilter{admit: cfg.Admit}),
-			relay.WithReservationAddressFilter(func(a ma.Multiaddr) bool { return IsPublicAddr(a, extra) }),
-		),
+		libp2p.EnableRelayService(svc...),
 	}, nil
 }
 
