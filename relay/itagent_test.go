@@ -11,7 +11,6 @@ import (
 
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/peer"
-	"github.com/multiformats/go-multiaddr"
 
 	"github.com/computeflux/computeflux/transport"
 )
@@ -111,9 +110,6 @@ func (a *itAgent) stop() {
 	_ = a.m.Close()
 	a.mu.Unlock()
 }
-
-func (a *itAgent) id() peer.ID                  { return a.h.ID() }
-func (a *itAgent) addrs() []multiaddr.Multiaddr { return a.h.Addrs() }
 
 // kill closes the agent's host without leaving first.
 func (a *itAgent) kill() {

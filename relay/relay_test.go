@@ -82,7 +82,7 @@ func TestUnavailableStatuses(t *testing.T) {
 		for _, e := range tb.engines {
 			e.set(func(w http.ResponseWriter, r *http.Request, _ []byte) {
 				w.Header().Set("Retry-After", "7")
-				http.Error(w, `{"error":{"message":"slow down"}}`, 429)
+				http.Error(w, `{"error":{"message":"slow down"}}`, http.StatusTooManyRequests)
 			})
 		}
 		resp := tb.do("POST", "/v1/chat/completions", chatBody)
@@ -257,13 +257,17 @@ func TestRetries(t *testing.T) {
 			tb.engines["bad"].set(func(w http.ResponseWriter, r *http.Request, _ []byte) { http.Error(w, "boom", 500) })
 		}, true},
 		{"503", func(tb *testbed) {
-			tb.engines["bad"].set(func(w http.ResponseWriter, r *http.Request, _ []byte) { http.Error(w, "overloaded", 503) })
+			tb.engines["bad"].set(func(w http.ResponseWriter, r *http.Request, _ []byte) {
+				http.Error(w, "overloaded", http.StatusServiceUnavailable)
+			})
 		}, true},
 		{"429", func(tb *testbed) {
-			tb.engines["bad"].set(func(w http.ResponseWriter, r *http.Request, _ []byte) { http.Error(w, "limited", 429) })
+			tb.engines["bad"].set(func(w http.ResponseWriter, r *http.Request, _ []byte) {
+				http.Error(w, "limited", http.StatusTooManyRequests)
+			})
 		}, true},
 		{"401", func(tb *testbed) {
-			tb.engines["bad"].set(func(w http.ResponseWriter, r *http.Request, _ []byte) { http.Error(w, "no", 401) })
+			tb.engines["bad"].set(func(w http.ResponseWriter, r *http.Request, _ []byte) { http.Error(w, "no", http.StatusUnauthorized) })
 		}, false},
 		{"transport error", func(tb *testbed) { tb.ft.setDown(tb.peers["bad"], true) }, true},
 		{"connection cut before the body", func(tb *testbed) {
