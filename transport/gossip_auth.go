@@ -454,8 +454,10 @@ type guardedReader struct {
 	gd   *gossipGuard
 	from peer.ID
 	src  *bufio.Reader
-	// onForged is told of a forged claim found in the stream.
-	onForged func(peer.ID, string)
+	// onForged is told of a forged claim found in the stream, onFiltered
+	// of states removed from it.
+	onForged   func(peer.ID, string)
+	onFiltered func()
 
 	head   []byte // the filtered message, served before the rest of src
 	parsed bool
@@ -548,6 +550,9 @@ func (r *guardedReader) filterPushPull(src io.Reader, dec *codec.Decoder) ([]byt
 	user := make([]byte, hdr.UserStateLen)
 	if _, err := io.ReadFull(src, user); err != nil {
 		return nil, err
+	}
+	if len(kept) < hdr.Nodes && r.onFiltered != nil {
+		r.onFiltered()
 	}
 	if forged != "" && r.onForged != nil {
 		r.onForged(r.from, forged)

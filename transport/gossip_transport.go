@@ -560,10 +560,10 @@ func (t *GossipTransport) newConn(st network.Stream) *gossipConn {
 		r:      st,
 	}
 	if g := t.cfg.guard; g != nil && !g.isTrusted(p) {
-		c.r = &guardedReader{gd: g, from: p, src: bufio.NewReader(st), onForged: func(p peer.ID, reason string) {
-			t.c.filtered.Add(1)
-			t.forged(p, reason)
-		}}
+		c.r = &guardedReader{gd: g, from: p, src: bufio.NewReader(st),
+			onForged:   t.forged,
+			onFiltered: func() { t.c.filtered.Add(1) },
+		}
 	}
 	return c
 }
