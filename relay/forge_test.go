@@ -355,6 +355,7 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 
 	t.Run("victim restarts during an attack", func(t *testing.T) {
 		ml := newMallory(t, gr)
+		victim := v.a.ID() // the same identity after the restart
 		stop := make(chan struct{})
 		attackDone := make(chan struct{})
 		go func() {
@@ -366,7 +367,7 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 				case <-time.After(500 * time.Millisecond):
 				}
 				f := low[i%len(low)]
-				_ = ml.send(ri.ID, nil, f.msg(t, v.a.ID(), ml.h.ID(), uint32(1+i%64)))
+				_ = ml.send(ri.ID, nil, f.msg(t, victim, ml.h.ID(), uint32(1+i%64)))
 			}
 		}()
 		defer func() { close(stop); <-attackDone }()
