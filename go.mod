@@ -13,6 +13,7 @@ require (
 	github.com/rs/zerolog v1.35.1
 	go.uber.org/fx v1.24.0
 	go.uber.org/goleak v1.3.0
+	go.yaml.in/yaml/v3 v3.0.6
 	golang.org/x/sys v0.50.0
 )
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/netip"
 	"os"
@@ -126,6 +127,28 @@ type Config struct {
 	// Transport carries requests to agents at http://<peerID>/... Nil means
 	// transport.NewRoundTripper over the host.
 	Transport http.RoundTripper
+
+	// EndpointsFile, if set, is the YAML (or JSON) file of provider
+	// endpoints and the operator's agent settings (see EndpointsFile); New
+	// refuses a malformed one, and ReloadEndpoints reads it again. Empty
+	// means agents only.
+	EndpointsFile string
+	// ProviderTransport carries requests to provider endpoints. Nil means
+	// an http.Transport with TLS 1.2 or later and the system's roots.
+	ProviderTransport http.RoundTripper
+	// MaxAgentWeight caps the weight an agent declares. Zero means
+	// DefaultMaxAgentWeight (4).
+	MaxAgentWeight float64
+	// AdminKey, if set, opens the admin API and the status page (see
+	// AdminHandler) to "Authorization: Bearer KEY". Empty means no admin API.
+	AdminKey string
+	// AdminListen is the admin API's own listen address, served by Run and
+	// Serve when AdminKey is set or StatusPublic. Empty means
+	// DefaultAdminListen.
+	AdminListen string
+	// StatusPublic serves the status page and its data without the admin
+	// key (they show no secret). The admin API still needs the key.
+	StatusPublic bool
 	// Clock measures latencies. Nil means the real clock.
 	Clock scheduler.Clock
 	// Logger receives one line per request and lifecycle events. The zero
@@ -170,6 +193,12 @@ func populate(cfg Config) Config {
 	if cfg.Clock == nil {
 		cfg.Clock = realClock{}
 	}
+	if cfg.MaxAgentWeight == 0 {
+		cfg.MaxAgentWeight = DefaultMaxAgentWeight
+	}
+	if cfg.AdminListen == "" {
+		cfg.AdminListen = DefaultAdminListen
+	}
 	if cfg.Policy != scheduler.PolicySticky {
 		cfg.Scheduler.Policy = cfg.Policy
 	}
@@ -208,6 +237,12 @@ func validate(cfg Config) error {
 	}
 	if cfg.KeyRPM < 0 || cfg.KeyRPM > MaxKeyRPM || cfg.KeyConcurrency < 0 {
 		errs = append(errs, fmt.Errorf("per-key limits: KeyRPM must be 0..%d and KeyConcurrency not negative", MaxKeyRPM))
+	}
+	if !(cfg.MaxAgentWeight > 0) || math.IsInf(cfg.MaxAgentWeight, 0) {
+		errs = append(errs, fmt.Errorf("MaxAgentWeight must be positive, got %v", cfg.MaxAgentWeight))
+	}
+	if cfg.AdminKey != "" && checkKey(cfg.AdminKey) != nil {
+		errs = append(errs, errors.New("AdminKey is empty or contains white space"))
 	}
 	if cfg.MetricsKey != "" && strings.TrimSpace(cfg.MetricsKey) != cfg.MetricsKey {
 		errs = append(errs, errors.New("MetricsKey has leading or trailing white space"))

@@ -178,9 +178,9 @@ func (g *Registry) gossipEvent(ev transport.GossipEvent) {
 			e.dead, upsert = false, true
 		}
 		if upsert {
-			g.sched.Upsert(e.endpoint())
+			g.sched.Upsert(g.endpoint(e))
 		}
-		g.sched.SetHealth(e.name, e.effectiveHealth())
+		g.sched.SetHealth(e.name, g.health(e))
 	case transport.GossipDead, transport.GossipLeft:
 		if ev.Type == transport.GossipLeft {
 			e.health.Draining = true

@@ -147,6 +147,7 @@ func (r *Relay) serveInferenceLogged(w http.ResponseWriter, req *http.Request) {
 	}
 	dur := r.cfg.Clock.Now().Sub(start)
 	r.metrics.observe(rl, dur)
+	r.stats.observe(rl, start.Add(dur))
 	ev := r.log.Info()
 	if rl.status >= 500 || rl.err != nil {
 		ev = r.log.Warn()

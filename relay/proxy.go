@@ -37,11 +37,14 @@ const copyBufSize = 32 << 10
 var bufPool = sync.Pool{New: func() any { b := make([]byte, copyBufSize); return &b }}
 
 // hopHeaders are not forwarded (RFC 9110 section 7.6.1), nor are our own
-// routing headers when an agent sends them.
+// routing headers when an agent sends them, nor a provider's cookies.
 var hopHeaders = map[string]bool{
 	"Connection": true, "Keep-Alive": true, "Proxy-Connection": true, "Proxy-Authenticate": true,
 	"Proxy-Authorization": true, "Te": true, "Trailer": true, "Transfer-Encoding": true, "Upgrade": true,
 	http.CanonicalHeaderKey(HeaderAgent): true, http.CanonicalHeaderKey(HeaderAffinity): true,
+	// A provider's cookies and account names are the relay operator's,
+	// not the client's.
+	"Set-Cookie": true, "Openai-Organization": true, "Openai-Project": true,
 }
 
 // attemptResult is how one attempt ended.
@@ -107,7 +110,7 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 		failures++
 		lastErr = res.err
 		r.metrics.failures.WithLabelValues(c.EndpointID).Inc()
-		r.log.Debug().Str("agent", c.EndpointID).Int("attempt", n+1).Err(res.err).Msg("attempt failed")
+		r.logAttempt(c, n+1, res.err)
 		if res.rateLimited {
 			retryAfter = max(retryAfter, res.retryAfter)
 		} else {
@@ -145,7 +148,7 @@ func pickError(err error, model string, failures int, allRateLimited bool, retry
 // Every outcome is reported to the scheduler exactly once.
 func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, att *scheduler.Attempt, c scheduler.Choice, rl *reqLog) attemptResult {
 	report := func(o scheduler.Outcome) { att.Report(c, o) }
-	upHost, ok := r.reg.upstreamHost(c.EndpointID)
+	tgt, ok := r.target(c, req.URL.Path)
 	if !ok {
 		report(scheduler.Outcome{Err: ErrAgentGone})
 		return attemptResult{err: fmt.Errorf("%s: %w", c.EndpointID, ErrAgentGone)}
@@ -153,13 +156,14 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 
 	ctx, cancel := context.WithCancelCause(req.Context())
 	defer cancel(nil)
-	up, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+upHost+req.URL.Path, bytes.NewReader(body))
+	up, err := http.NewRequestWithContext(ctx, http.MethodPost, tgt.url, bytes.NewReader(body))
 	if err != nil {
 		report(scheduler.Outcome{Err: err})
 		return attemptResult{err: err}
 	}
 	up.ContentLength = int64(len(body))
 	copyRequestHeaders(up.Header, req.Header)
+	tgt.authorize(up.Header)
 
 	start := r.cfg.Clock.Now()
 	// The first byte and the timer race for ttfbDecided: the winner alone
@@ -174,7 +178,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	})
 	defer ttfbTimer.Stop()
 
-	resp, err := r.rt.RoundTrip(up)
+	resp, err := tgt.rt.RoundTrip(up)
 	if err != nil {
 		return r.failed(ctx, req, report, start, 0, err)
 	}

@@ -34,6 +34,9 @@ type Registry struct {
 	// onChange, if set, is called (without mu held) after the routable set
 	// may have changed.
 	onChange func()
+	// ops, if set, holds the operator's settings that win over what agents
+	// declare, and the names reserved for provider endpoints (operator.go).
+	ops *operator
 
 	mu     sync.Mutex        // guards the following fields
 	byName map[string]*entry // agent name -> entry
@@ -161,6 +164,9 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	if info.Name == "" || len(info.Name) > maxNameLen {
 		return ErrBadName
 	}
+	if g.ops.isReserved(info.Name) {
+		return fmt.Errorf("%w: %q is a provider endpoint", ErrNameTaken, info.Name)
+	}
 	g.mu.Lock()
 	if g.isBannedLocked(p, time.Now()) {
 		g.mu.Unlock()
@@ -192,8 +198,8 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	if oldName != "" {
 		g.sched.Remove(oldName)
 	}
-	g.sched.Upsert(e.endpoint())
-	g.sched.SetHealth(e.name, e.effectiveHealth())
+	g.sched.Upsert(g.endpoint(e))
+	g.sched.SetHealth(e.name, g.health(e))
 	g.mu.Unlock()
 
 	g.log.Info().Str("agent", info.Name).Stringer("peer", p).Strs("models", info.Models).
@@ -216,8 +222,8 @@ func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
 	info.Name = e.name
 	e.info = cloneInfo(info)
 	if !e.dead {
-		g.sched.Upsert(e.endpoint())
-		g.sched.SetHealth(e.name, e.effectiveHealth())
+		g.sched.Upsert(g.endpoint(e))
+		g.sched.SetHealth(e.name, g.health(e))
 	}
 	g.mu.Unlock()
 
@@ -255,7 +261,7 @@ func (g *Registry) SetHealth(name string, h scheduler.Health) {
 	if ok {
 		e.health = h
 		if !e.dead {
-			g.sched.SetHealth(name, e.effectiveHealth())
+			g.sched.SetHealth(name, g.health(e))
 		}
 	}
 	g.mu.Unlock()
@@ -276,8 +282,8 @@ func (g *Registry) SetDead(name string, dead bool) {
 		if dead {
 			g.sched.Remove(name)
 		} else {
-			g.sched.Upsert(e.endpoint())
-			g.sched.SetHealth(name, e.effectiveHealth())
+			g.sched.Upsert(g.endpoint(e))
+			g.sched.SetHealth(name, g.health(e))
 		}
 	}
 	g.mu.Unlock()

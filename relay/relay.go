@@ -36,6 +36,12 @@ type Relay struct {
 	metrics *metrics
 	handler http.Handler
 
+	ops       *operator     // the operator's settings (operator.go)
+	providers *providerSet  // provider endpoints (providers.go)
+	stats     *statsWindow  // recent requests, for the status page (admin.go)
+	adminAddr atomic.Value  // string: the admin listener's address
+	rttKick   chan struct{} // wakes the RTT prober (admin.go), which runs only with a host
+
 	host    host.Host // nil with NoP2P
 	ownHost bool      // New created host, so Close closes it
 	join    io.Closer // the join service on host
@@ -74,9 +80,14 @@ func New(cfg Config) (*Relay, error) {
 		limits: newKeyLimits(cfg.KeyRPM, cfg.KeyConcurrency, cfg.Clock),
 		rt:     cfg.Transport,
 	}
+	r.rttKick = make(chan struct{}, 1)
 	r.reg = newRegistry(sched, r.log)
+	r.ops = newOperator(cfg.MaxAgentWeight)
+	r.reg.ops = r.ops
+	r.providers = newProviderSet(r)
+	r.stats = newStatsWindow()
 	r.metrics = newMetrics(r)
-	r.reg.onChange = r.metrics.updateRoutable
+	r.reg.onChange = func() { r.metrics.updateRoutable(); r.kickRTT() }
 	r.handler = http.HandlerFunc(r.serveHTTP)
 
 	if !cfg.NoP2P {
@@ -125,6 +136,7 @@ func New(cfg Config) (*Relay, error) {
 			// that have nothing to do with joining.
 			r.startP2PAdmission(peerRelays)
 		}
+		r.startRTT()
 		if !cfg.Gossip.Disabled {
 			if err := r.startGossip(); err != nil {
 				_ = r.Close()
@@ -139,6 +151,13 @@ func New(cfg Config) (*Relay, error) {
 	}
 	if cfg.NoAuth {
 		r.log.Warn().Msg("serving clients without API keys (NoAuth)")
+	}
+	if cfg.EndpointsFile != "" {
+		// Refused at start when malformed; a failed discovery is not.
+		if err := r.ReloadEndpoints(context.Background()); err != nil {
+			_ = r.Close()
+			return nil, fmt.Errorf("relay: %w", err)
+		}
 	}
 	return r, nil
 }
@@ -207,6 +226,12 @@ func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
 		IdleTimeout:       2 * r.cfg.IdleTimeout,
 		ErrorLog:          stdlog.New(r.log.With().Str("source", "http").Logger(), "", 0),
 	}
+	stopAdmin, aerr := r.serveAdmin()
+	if aerr != nil {
+		_ = ln.Close()
+		return aerr
+	}
+	defer stopAdmin()
 	r.log.Info().Str("addr", ln.Addr().String()).Msg("relay http listening")
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
@@ -241,6 +266,7 @@ func (r *Relay) Close() error {
 			r.bgCancel()
 			r.bgWG.Wait()
 		}
+		r.providers.close()
 		if r.gossip != nil {
 			errs = append(errs, r.gossip.shutdown())
 		}

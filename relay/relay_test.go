@@ -773,6 +773,8 @@ func TestPopulateKeepsSetFields(t *testing.T) {
 			f.SetBool(true)
 		case reflect.Int, reflect.Int64:
 			f.SetInt(int64(1000 + i))
+		case reflect.Float64:
+			f.SetFloat(float64(1000 + i))
 		case reflect.Slice:
 			f.Set(reflect.MakeSlice(f.Type(), 1, 1))
 		case reflect.Interface, reflect.Struct:

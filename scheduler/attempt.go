@@ -50,6 +50,9 @@ type Choice struct {
 	// Probe is true when the choice holds one of a half-open breaker's
 	// probe slots.
 	Probe bool
+	// Key is the label of the endpoint key to use (see keys.go); empty for
+	// an endpoint without keys.
+	Key string
 
 	seq uint64
 }
@@ -121,10 +124,11 @@ type Attempt struct {
 	req Request
 
 	// Guarded by s.mu.
-	dead, used, failed []string // endpoint IDs
-	pending            []pending
-	pendingBuf         [2]pending
-	mapped             *endpoint // the session's live endpoint, during a Pick
+	dead, used []keyRef // (endpoint, key) pairs refused (401/403) and rate limited (429)
+	failed     []string // endpoint IDs
+	pending    []pending
+	pendingBuf [2]pending
+	mapped     *endpoint // the session's live endpoint, during a Pick
 }
 
 type pending struct {
@@ -132,6 +136,11 @@ type pending struct {
 	e     *endpoint
 	gen   uint64 // breaker generation at pick time
 	probe bool
+	// The key taken (nil without keys), its breaker generation, and
+	// whether the pick holds one of its probe slots.
+	k      *keyState
+	kgen   uint64
+	kprobe bool
 }
 
 // Begin starts the scheduling of one request.
@@ -160,9 +169,9 @@ func (a *Attempt) exclusion(e *endpoint, checkModel bool) Exclusion {
 	switch {
 	case e.disabled || e.removed:
 		return ExclusionDisabled
-	case len(a.dead) > 0 && slices.Contains(a.dead, e.id):
+	case len(a.dead) > 0 && keysExcluded(e, a.dead, nil):
 		return ExclusionDeadKey
-	case len(a.used) > 0 && slices.Contains(a.used, e.id):
+	case len(a.used) > 0 && keysExcluded(e, a.used, a.dead):
 		return ExclusionUsedKey
 	case checkModel && !e.serves(a.req.Model):
 		return ExclusionModel
@@ -186,6 +195,9 @@ func (a *Attempt) admit(e *endpoint, now int64, checkModel bool) (ok, avoid bool
 		if e.probes >= a.s.cfg.HalfOpenProbes {
 			return false, false
 		}
+	}
+	if !a.keysAdmit(e, now) {
+		return false, false
 	}
 	limit := e.capacity
 	if e == a.mapped {
@@ -216,6 +228,12 @@ func (a *Attempt) Pick() (Choice, error) {
 		mapped = s.sessions.lookup(a.req.SessionKey, now)
 	}
 	a.mapped = mapped
+	if t := a.tierGroup(g, now); t != nil {
+		g = t
+		if mapped != nil && mapped.priority != t.priority {
+			mapped, a.mapped = nil, nil
+		}
+	}
 	var e *endpoint
 	switch s.cfg.Policy {
 	case PolicySticky:
@@ -259,7 +277,9 @@ func (a *Attempt) Pick() (Choice, error) {
 	if a.pending == nil {
 		a.pending = a.pendingBuf[:0]
 	}
-	a.pending = append(a.pending, pending{seq: c.seq, e: e, gen: e.brGen, probe: c.Probe})
+	p := pending{seq: c.seq, e: e, gen: e.brGen, probe: c.Probe}
+	c.Key = a.takeKey(&p, now)
+	a.pending = append(a.pending, p)
 	return c, nil
 }
 
@@ -280,7 +300,13 @@ func (a *Attempt) unavailable(g *group, now int64) error {
 			}
 			limited = e.openForLimit
 		}
-		if slices.Contains(a.used, e.id) {
+		if len(e.keys) > 0 {
+			kl, kd := a.keysLimited(e, now)
+			limited = limited || kl
+			if kd >= 0 && (retry < 0 || kd < retry) {
+				retry = kd
+			}
+		} else if slices.Contains(a.used, keyRef{id: e.id}) {
 			limited = true
 		}
 		if !limited {
@@ -320,6 +346,7 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 	if p.probe && current && e.br == BreakerHalfOpen {
 		e.probes--
 	}
+	ref := a.keyReport(p, class, now, o.RetryAfter)
 	switch class {
 	case ClassSuccess:
 		e.successes++
@@ -339,10 +366,13 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 	case ClassDeadKey:
 		e.deadKeys++
 		e.bad += w
-		a.dead = append(a.dead, e.id)
+		a.dead = append(a.dead, ref)
 	case ClassRateLimited:
 		e.rateLimited++
-		a.used = append(a.used, e.id)
+		a.used = append(a.used, ref)
+		if p.k != nil {
+			break // the key's breaker opened (keyReport), not the endpoint's
+		}
 		d := o.RetryAfter
 		if d <= 0 {
 			d = s.cfg.RateLimitCooldown

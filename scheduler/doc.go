@@ -201,4 +201,28 @@
 // PolicyConsistentHash hashes the session key (FNV-1a) onto a ring of
 // Config.VirtualNodes points per unit of weight (100) and walks clockwise to
 // the first admitted endpoint, choosing at random when there is no key.
+//
+// # Priority tiers
+//
+// Endpoint.Priority puts an endpoint in a tier (0 first: home agents;
+// higher: overflow, such as keyed provider APIs). Every policy above runs
+// within one tier: the lowest tier that holds an endpoint admitted for the
+// attempt, neither avoided (suspect, failed earlier in this request) nor
+// reporting a saturated engine. When no tier has one, the pick uses the
+// lowest tier with an admitted endpoint not to be avoided, else the lowest
+// with any admitted endpoint. A session mapped outside the
+// chosen tier is a miss, so sessions that overflowed return to the first
+// tier once it has room. With a single tier nothing changes.
+//
+// # Keys
+//
+// An endpoint with Endpoint.Keys is reached with one of several
+// credentials, and the DeadKeys and UsedKeys exclusions apply to each
+// (endpoint, key) pair: Choice.Key names the key to use, the first in order
+// that the attempt has not excluded and whose own breaker admits it. A 429
+// opens that key's breaker for Retry-After (half-open afterwards, with the
+// same bounded probes), not the endpoint's; 5xx answers, timeouts and
+// connection failures count against the endpoint. The endpoint is excluded
+// as a dead key once every key answered 401/403 in the request, and as a
+// used key once every key answered 401/403 or 429 (one of them 429).
 package scheduler

@@ -21,6 +21,15 @@ type Endpoint struct {
 	Capacity int
 	// Disabled takes the endpoint out of service: it is never picked.
 	Disabled bool
+	// Priority is the endpoint's tier: Pick uses the lowest tier that has
+	// an available candidate (see tier.go). 0, the default, is the first
+	// choice; negative values count as 0.
+	Priority int
+	// Keys names the credentials the endpoint is reached with, each its own
+	// unit of the per-request DeadKeys and UsedKeys exclusions and with its
+	// own rate-limit breaker (see keys.go). The names are opaque labels,
+	// never the secrets. Empty means the endpoint is its own single key.
+	Keys []string
 }
 
 // Health is what gossip and the agent report about an endpoint. The zero
@@ -96,6 +105,11 @@ type EndpointStatus struct {
 	ColdStart bool
 	// Score is the sticky policy's score right now.
 	Score float64
+	// Priority is the endpoint's tier (0 first).
+	Priority int
+	// Keys is the state of each of the endpoint's keys, in Endpoint.Keys
+	// order; nil for an endpoint without keys.
+	Keys []KeyStatus
 }
 
 // endpoint is the scheduler's state for one Endpoint. All fields are
@@ -130,6 +144,9 @@ type endpoint struct {
 	brGen        uint64 // bumped on every breaker transition
 	openForLimit bool   // the breaker was opened by a 429
 	probeSuccess int    // successful probes in the current half-open phase
+
+	priority int         // tier (tier.go)
+	keys     []*keyState // in Endpoint.Keys order; nil without keys (keys.go)
 }
 
 func (e *endpoint) serves(model string) bool {

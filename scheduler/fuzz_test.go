@@ -80,7 +80,7 @@ func (fz *fuzzer) step(b, arg byte) {
 			}
 		}
 		fz.s.Upsert(Endpoint{ID: id, Models: models, Disabled: arg&0x08 != 0 && arg&0x40 != 0,
-			Capacity: int(arg>>4) % 3, Weight: float64(arg>>6) + 0.5})
+			Capacity: int(arg>>4) % 3, Weight: float64(arg>>6) + 0.5, Priority: int(arg >> 7)})
 	case 1:
 		fz.s.SetHealth(id, Health{Suspect: arg&1 != 0, Draining: arg&2 != 0 && arg&4 != 0,
 			Running: int(arg>>3) % 4, Waiting: int(arg>>5) % 2, KVCacheUsage: float64(arg>>4) / 15})

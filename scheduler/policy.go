@@ -68,7 +68,7 @@ func (a *Attempt) pickScored(g *group, now int64) *endpoint {
 		// Fast path for the common case, equivalent to admit: a closed
 		// breaker, no exclusions in this attempt, a free slot.
 		ok, avoid := e.br == BreakerClosed && clean && !e.disabled && !e.removed && e != a.mapped &&
-			!e.health.Draining && (e.capacity == 0 || e.inFlight < e.capacity), e.health.Suspect
+			!e.health.Draining && (e.capacity == 0 || e.inFlight < e.capacity) && e.keys == nil, e.health.Suspect
 		if !ok {
 			ok, avoid = a.admit(e, now, false)
 		}

@@ -77,6 +77,7 @@ type group struct {
 	// ringDirty is set when eps or a weight changes; the ring is rebuilt on
 	// the next consistent-hash pick.
 	ringDirty bool
+	tierState // priority tiers (tier.go)
 }
 
 // New returns a Scheduler for cfg, whose zero fields take their defaults.
@@ -134,6 +135,7 @@ func (s *Scheduler) Upsert(ep Endpoint) {
 	}
 	old := e.models
 	weightChanged := e.weight != weight
+	s.setTierAndKeys(e, ep)
 	e.models, e.weight, e.capacity, e.disabled = models, weight, capacity, ep.Disabled
 	e.affCap = int(math.Ceil(float64(capacity) * s.cfg.AffinityCapacity))
 	e.invCap = 0
@@ -144,7 +146,7 @@ func (s *Scheduler) Upsert(ep Endpoint) {
 		if _, ok := slices.BinarySearch(old, m); !ok {
 			s.join(m, e)
 		} else if weightChanged {
-			s.groups[m].ringDirty = true
+			s.groups[m].ringDirty, s.groups[m].tiersDirty = true, true
 		}
 	}
 }
@@ -159,7 +161,7 @@ func (s *Scheduler) join(model string, e *endpoint) {
 		return cmpString(x.id, id)
 	})
 	g.eps = slices.Insert(g.eps, i, e)
-	g.ringDirty = true
+	g.ringDirty, g.tiersDirty = true, true
 }
 
 func (s *Scheduler) leave(model string, e *endpoint) {
@@ -168,7 +170,7 @@ func (s *Scheduler) leave(model string, e *endpoint) {
 		return
 	}
 	g.eps = slices.DeleteFunc(g.eps, func(x *endpoint) bool { return x == e })
-	g.ringDirty = true
+	g.ringDirty, g.tiersDirty = true, true
 	if len(g.eps) == 0 {
 		delete(s.groups, model)
 	}
@@ -267,6 +269,8 @@ func (s *Scheduler) Snapshot() []EndpointStatus {
 			Breaker:      e.breakerState(now),
 			ColdStart:    e.requests < s.coldStart,
 			Score:        s.score(e, sc),
+			Priority:     e.priority,
+			Keys:         s.keyStatus(e, now),
 		}
 		if e.hasEWMA {
 			st.EWMALatency = time.Duration(e.ewma)

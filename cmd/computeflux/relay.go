@@ -27,6 +27,8 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	for _, a := range r.Addrs() {
 		fmt.Fprintf(stdout, "relay p2p address: %s\n", a)
 	}
+	stopReload := reloadOnHangup(ctx, r)
+	defer stopReload()
 	if tlsFiles.cert == "" {
 		if !isLoopbackListen(cfg.Listen) {
 			cfg.Logger.Warn().Str("listen", cfg.Listen).Msg("serving plain HTTP: clients' API keys cross the network in clear text; use --tls-cert/--tls-key or a TLS proxy in front")
@@ -72,6 +74,7 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	var nat natFlags
 	var gossip gossipFlags
 	var logs logFlags
+	var ops operatorFlags
 	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&cfg.Listen, "listen", relay.DefaultListen, "HTTP listen `address` for the OpenAI API")
@@ -92,6 +95,7 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.StringVar(&cfg.MetricsKey, "metrics-key", "", "bearer `key` required on /metrics (empty: /metrics is public)")
 	fs.StringVar(&tf.cert, "tls-cert", "", "serve HTTPS with this PEM certificate chain `file` (with --tls-key)")
 	fs.StringVar(&tf.key, "tls-key", "", "PEM private key `file` for --tls-cert")
+	ops.register(fs)
 	nat.register(fs)
 	gossip.register(fs)
 	fs.Var(&gossip.relays, "gossip-relay", "another relay's `multiaddr` (ending in /p2p/<peer ID>) to share membership gossip with; repeatable or comma-separated")
@@ -149,6 +153,9 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 		return cfg, tf, fmt.Errorf("relay: %w", err)
 	}
 	cfg.Policy = p
+	if err := ops.apply(&cfg); err != nil {
+		return cfg, tf, fmt.Errorf("relay: %w", err)
+	}
 	if cfg.Logger, err = logs.logger(stderr); err != nil {
 		return cfg, tf, fmt.Errorf("relay: %w", err)
 	}
