@@ -30,9 +30,13 @@ import (
 // Config configures an Agent. The zero value of every optional field means
 // the default written next to it; New fills them and checks the result.
 type Config struct {
-	// Relay is the relay's multiaddr including /p2p/<relay peer ID>
-	// (required).
+	// Relay is the relay's multiaddr including /p2p/<relay peer ID>.
+	// Relay or Relays is required.
 	Relay string
+	// Relays are more relays to join, each multiaddr with /p2p/<peer ID>:
+	// the agent joins and serves every one (Relay first, if set). Empty
+	// means Relay alone.
+	Relays []string
 	// Token is the join secret; TokenFile names a file holding it (leading
 	// and trailing white space ignored). Exactly one is required.
 	Token     string
@@ -84,8 +88,10 @@ type Config struct {
 	// after each failure and carries jitter. 0 means 500 ms and 30 s.
 	MinBackoff time.Duration
 	MaxBackoff time.Duration
-	// UpstreamTransport carries requests to the engine. Nil means a clone of
-	// http.DefaultTransport with more idle connections.
+	// UpstreamTransport carries requests to the engine. Nil means
+	// transport.NewHTTP1RoundTripper for a plain http:// engine without a
+	// proxy from the environment, else a clone of http.DefaultTransport with
+	// more idle connections.
 	UpstreamTransport http.RoundTripper
 }
 
@@ -115,15 +121,31 @@ func (c *Config) fill() {
 		c.MaxBackoff = 30 * time.Second
 	}
 	if c.UpstreamTransport == nil {
-		t := http.DefaultTransport.(*http.Transport).Clone()
-		t.MaxIdleConnsPerHost = 256
-		c.UpstreamTransport = t
+		c.UpstreamTransport = defaultUpstreamTransport(c.Upstream)
 	}
+}
+
+// defaultUpstreamTransport carries requests to the engine at upstream: for a
+// plain http:// engine that no proxy from the environment applies to (the
+// usual engine on the same box or LAN), transport.NewHTTP1RoundTripper,
+// which reads and writes on the request's own goroutine: http.Transport's
+// reader and writer goroutines per connection were two wake-ups per request
+// and about a quarter of the agent's CPU under load. Anything else (https,
+// a proxy) gets a clone of http.DefaultTransport with more idle connections.
+func defaultUpstreamTransport(upstream string) http.RoundTripper {
+	if u, err := url.Parse(upstream); err == nil && u.Scheme == "http" && u.Host != "" {
+		if p, err := http.ProxyFromEnvironment(&http.Request{URL: u}); err == nil && p == nil {
+			return transport.NewHTTP1RoundTripper(nil)
+		}
+	}
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.MaxIdleConnsPerHost = 256
+	return t
 }
 
 func (c *Config) validate() error {
 	switch {
-	case c.Relay == "":
+	case len(c.relayAddrs()) == 0:
 		return errors.New("agent: relay address is required")
 	case c.Upstream == "":
 		return errors.New("agent: upstream URL is required")
@@ -150,7 +172,7 @@ func (c *Config) validate() error {
 type Agent struct {
 	cfg      Config
 	log      zerolog.Logger
-	relay    peer.AddrInfo
+	links    []*relayLink // one per relay (relays.go)
 	token    []byte
 	upstream *url.URL
 	key      crypto.PrivKey
@@ -181,9 +203,9 @@ func New(cfg Config) (*Agent, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	relay, err := peer.AddrInfoFromString(cfg.Relay)
+	links, err := parseRelays(cfg.relayAddrs())
 	if err != nil {
-		return nil, fmt.Errorf("agent: relay address %q (a multiaddr ending in /p2p/<peer ID>): %w", cfg.Relay, err)
+		return nil, err
 	}
 	token := []byte(cfg.Token)
 	if cfg.TokenFile != "" {
@@ -211,7 +233,7 @@ func New(cfg Config) (*Agent, error) {
 	a := &Agent{
 		cfg:      cfg,
 		log:      cfg.Logger.With().Str("component", "agent").Str("name", cfg.Name).Logger(),
-		relay:    *relay,
+		links:    links,
 		token:    token,
 		upstream: u,
 		key:      key,
@@ -251,6 +273,7 @@ func (a *Agent) Info() transport.JoinInfo {
 		// An engine that does not answer makes the agent unavailable: the
 		// relay routes elsewhere instead of sending requests that fail.
 		Draining: a.draining.Load() || !a.engineOK,
+		Relays:   a.cfg.relayAddrs(),
 	}
 }
 
@@ -259,6 +282,7 @@ func (a *Agent) notify() {
 	case a.changed <- struct{}{}:
 	default:
 	}
+	a.notifyLinks()
 }
 
 // Run starts the agent's libp2p host, keeps it joined to the relay
@@ -270,7 +294,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	// NAT traversal: a reservation at our relay, so that other agents reach
 	// us through its circuit, and hole punching towards them.
 	nat, err := transport.NewAgentNAT(transport.AgentNATConfig{
-		Relays:      []peer.AddrInfo{a.relay},
+		Relays:      a.relayInfos(),
 		PublicCIDRs: a.cfg.PublicCIDRs,
 		Logger:      a.log,
 	})
@@ -301,9 +325,11 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.host = nil
 		a.mu.Unlock()
 	}()
-	h.Peerstore().AddAddrs(a.relay.ID, a.relay.Addrs, peerstore.PermanentAddrTTL)
+	for _, l := range a.links {
+		h.Peerstore().AddAddrs(l.info.ID, l.info.Addrs, peerstore.PermanentAddrTTL)
+	}
 
-	srv, err := transport.ServeHTTP(h, a, func(p peer.ID) bool { return p == a.relay.ID })
+	srv, err := transport.ServeHTTP(h, a, a.isRelay)
 	if err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
@@ -328,32 +354,34 @@ func (a *Agent) Run(ctx context.Context) error {
 		return fmt.Errorf("agent: %w", err)
 	}
 
-	m := a.stayJoined(ctx, h)
-	a.drain(m)
+	a.drain(a.runRelays(ctx, h))
 	return nil
 }
 
-// stayJoined keeps a registration with the relay until ctx ends and returns
+// stayJoined keeps a registration with relay l until ctx ends and returns
 // the one open then (nil if none).
-func (a *Agent) stayJoined(ctx context.Context, h host.Host) *transport.Membership {
+func (a *Agent) stayJoined(ctx context.Context, h host.Host, l *relayLink) *transport.Membership {
 	backoff := a.cfg.MinBackoff
 	for {
-		m, err := a.join(ctx, h)
+		m, err := a.join(ctx, h, l)
 		if err == nil {
-			a.log.Info().Str("relay", a.relay.ID.String()).Msg("joined relay")
+			a.log.Info().Str("relay", l.info.ID.String()).Msg("joined relay")
+			l.setMembership(m)
 			// The relay reserves circuits for joined peers only.
 			if nat := a.nat.Load(); nat != nil {
-				nat.SetJoined(a.relay.ID, true)
+				nat.SetJoined(l.info.ID, true)
 			}
 			// A relay that restarted forgot the members: join its gossip
 			// after every registration.
 			a.gossipRejoin()
 			since := time.Now()
-			if m = a.serveMembership(ctx, m); m != nil {
+			m = a.serveMembership(ctx, m, l)
+			if m != nil {
 				return m // ctx ended while joined
 			}
+			l.setMembership(nil)
 			if nat := a.nat.Load(); nat != nil {
-				nat.SetJoined(a.relay.ID, false)
+				nat.SetJoined(l.info.ID, false)
 			}
 			// A registration that lasted resets the backoff; one that
 			// breaks at once keeps growing it.
@@ -361,7 +389,7 @@ func (a *Agent) stayJoined(ctx context.Context, h host.Host) *transport.Membersh
 				backoff = a.cfg.MinBackoff
 			}
 		} else if ctx.Err() == nil {
-			a.log.Warn().Err(err).Str("relay", a.relay.ID.String()).Dur("retry_in", backoff).Msg("join failed")
+			a.log.Warn().Err(err).Str("relay", l.info.ID.String()).Dur("retry_in", backoff).Msg("join failed")
 		}
 		select {
 		case <-ctx.Done():
@@ -381,31 +409,31 @@ func jitter(d time.Duration) time.Duration {
 	return d/2 + rand.N(d/2+1)
 }
 
-func (a *Agent) join(ctx context.Context, h host.Host) (*transport.Membership, error) {
+func (a *Agent) join(ctx context.Context, h host.Host, l *relayLink) (*transport.Membership, error) {
 	jctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
 	// Our own backoff paces reconnects; libp2p's dial backoff would
 	// otherwise refuse to redial a relay that was just down. An existing
 	// direct connection is reused.
-	if err := h.Connect(network.WithForceDirectDial(jctx, "computeflux agent reconnect"), a.relay); err != nil {
+	if err := h.Connect(network.WithForceDirectDial(jctx, "computeflux agent reconnect"), l.info); err != nil {
 		return nil, fmt.Errorf("connect to relay: %w", err)
 	}
-	return transport.Join(jctx, h, a.relay.ID, a.token, a.Info())
+	return transport.Join(jctx, h, l.info.ID, a.token, a.Info())
 }
 
 // serveMembership forwards info changes to the relay until the registration
 // ends (returns nil) or ctx ends (returns m, still open).
-func (a *Agent) serveMembership(ctx context.Context, m *transport.Membership) *transport.Membership {
+func (a *Agent) serveMembership(ctx context.Context, m *transport.Membership, l *relayLink) *transport.Membership {
 	sent := a.Info()
 	for {
 		select {
 		case <-ctx.Done():
 			return m
 		case <-m.Done():
-			a.log.Warn().Err(m.Err()).Msg("lost the relay; reconnecting")
+			a.log.Warn().Err(m.Err()).Str("relay", l.info.ID.String()).Msg("lost the relay; reconnecting")
 			m.Close()
 			return nil
-		case <-a.changed:
+		case <-l.changed:
 			info := a.Info()
 			if infoEqual(info, sent) {
 				continue
@@ -423,27 +451,31 @@ func (a *Agent) serveMembership(ctx context.Context, m *transport.Membership) *t
 
 func infoEqual(x, y transport.JoinInfo) bool {
 	return x.Name == y.Name && slices.Equal(x.Models, y.Models) && x.Weight == y.Weight &&
-		x.Capacity == y.Capacity && x.Draining == y.Draining
+		x.Capacity == y.Capacity && x.Draining == y.Draining && slices.Equal(x.Relays, y.Relays)
 }
 
 // drain reports the agent draining (join update and gossip metadata), waits
 // for in-flight requests (up to DrainTimeout), leaves the gossip and then the
-// relay.
-func (a *Agent) drain(m *transport.Membership) {
+// relays (ms are the registrations open).
+func (a *Agent) drain(ms []*transport.Membership) {
 	a.draining.Store(true)
 	a.gossipDraining()
-	if m == nil {
+	if len(ms) == 0 {
 		a.gossipLeave()
 		return
 	}
 	defer func() {
 		// Leave the gossip first: the others see us go at once, then the
-		// relay sees the registration end.
+		// relays see the registrations end.
 		a.gossipLeave()
-		m.Close()
+		for _, m := range ms {
+			m.Close()
+		}
 	}()
-	if err := m.Update(a.Info()); err != nil {
-		a.log.Warn().Err(err).Msg("could not report draining")
+	for _, m := range ms {
+		if err := m.Update(a.Info()); err != nil {
+			a.log.Warn().Err(err).Str("relay", m.Relay().String()).Msg("could not report draining")
+		}
 	}
 	a.log.Info().Int64("in_flight", a.inflight.Load()).Dur("timeout", a.cfg.DrainTimeout).Msg("draining")
 	deadline := time.Now().Add(a.cfg.DrainTimeout)

@@ -9,8 +9,8 @@ import (
 	"github.com/computeflux/computeflux/transport"
 )
 
-// gater refuses inbound connections from peers that are neither our relay
-// nor a member of its gossip (a joined agent the relay told us of), before
+// gater refuses inbound connections from peers that are neither one of our
+// relays nor a member of their gossip (a joined agent the relay told us of), before
 // any protocol runs on them: a stranger who finds an agent's address learns
 // nothing from it, not even identify's listen addresses and protocols.
 // Outbound connections are ours to make.
@@ -30,7 +30,7 @@ func (gater) InterceptAccept(network.ConnMultiaddrs) bool                     { 
 func (gater) InterceptUpgraded(network.Conn) (bool, control.DisconnectReason) { return true, 0 }
 
 func (g gater) InterceptSecured(dir network.Direction, p peer.ID, _ network.ConnMultiaddrs) bool {
-	if dir != network.DirInbound || p == g.a.relay.ID {
+	if dir != network.DirInbound || g.a.isRelay(p) {
 		return true
 	}
 	gs := g.a.Gossip()

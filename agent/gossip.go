@@ -10,7 +10,6 @@ import (
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
-	ma "github.com/multiformats/go-multiaddr"
 
 	"github.com/computeflux/computeflux/transport"
 )
@@ -86,7 +85,6 @@ func (a *Agent) startGossip(ctx context.Context, h host.Host, wg *sync.WaitGroup
 	if gc.Disabled {
 		return nil
 	}
-	relay := a.relay
 	g, err := transport.NewGossip(transport.GossipConfig{
 		Host:   h,
 		Logger: a.cfg.Logger,
@@ -94,18 +92,18 @@ func (a *Agent) startGossip(ctx context.Context, h host.Host, wg *sync.WaitGroup
 		Tune:   gc.Tune,
 		// Our relay, and the members it told us about: other agents must be
 		// able to probe us (indirect probes included).
-		Admit:        func(p peer.ID) bool { return p == relay.ID },
+		Admit:        a.isRelay,
 		AdmitMembers: true,
-		// Only the relay's word about other members counts; they are
+		// Only our relays' word about other members counts; they are
 		// believed about themselves alone.
-		Trusted: []peer.ID{relay.ID},
+		Trusted: relayIDs(a.relayInfos()),
 		// Other agents sit behind NAT too: reach them through the relay's
 		// circuit; libp2p moves the connection to a direct path when hole
 		// punching succeeds, and later streams take it.
-		Resolve:    func(p peer.ID) []ma.Multiaddr { return transport.CircuitAddrs(relay, p) },
+		Resolve:    a.circuitAddrs,
 		MetaSource: a.gossipMeta,
 		OnEvent: func(ev transport.GossipEvent) {
-			if ev.Type == transport.GossipAlive && ev.Peer != relay.ID {
+			if ev.Type == transport.GossipAlive && !a.isRelay(ev.Peer) {
 				a.predial(ctx, h, ev.Peer, wg)
 			}
 		},
@@ -157,7 +155,7 @@ func (a *Agent) predial(ctx context.Context, h host.Host, p peer.ID, wg *sync.Wa
 		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
 		dctx = network.WithAllowLimitedConn(dctx, "gossip")
-		if err := h.Connect(dctx, peer.AddrInfo{ID: p, Addrs: transport.CircuitAddrs(a.relay, p)}); err != nil {
+		if err := h.Connect(dctx, peer.AddrInfo{ID: p, Addrs: a.circuitAddrs(p)}); err != nil {
 			a.log.Debug().Err(err).Stringer("peer", p).Msg("dial a new member through the relay")
 		}
 	}()
@@ -187,7 +185,7 @@ func (a *Agent) gossipJoinLoop(ctx context.Context, g *transport.Gossip) {
 		pause := 250 * time.Millisecond
 		for attempt := 1; ; attempt++ {
 			start := time.Now()
-			n, err := g.Join(a.relay.ID)
+			n, err := g.Join(a.gossipSeeds()...)
 			if err == nil && n > 0 {
 				a.log.Info().Int("members", g.NumMembers()).Dur("took", time.Since(start)).Int("attempt", attempt).Msg("joined the gossip")
 				break
@@ -306,4 +304,12 @@ func (a *Agent) Host() host.Host {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.host
+}
+
+func relayIDs(infos []peer.AddrInfo) []peer.ID {
+	out := make([]peer.ID, 0, len(infos))
+	for _, ai := range infos {
+		out = append(out, ai.ID)
+	}
+	return out
 }

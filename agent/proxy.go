@@ -1,12 +1,16 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"net/http"
 	"net/http/httputil"
+	"reflect"
 	"strconv"
+	"sync"
 )
 
 // servedPaths are the OpenAI endpoints forwarded to the engine, with their
@@ -18,14 +22,50 @@ var servedPaths = map[string]string{
 	"/v1/models":           http.MethodGet,
 }
 
+// bufferedBodyType is the type of the request bodies transport.ServeHTTP
+// hands its handler: an io.NopCloser over a bytes.Reader.
+var bufferedBodyType = reflect.TypeOf(io.NopCloser(bytes.NewReader(nil)))
+
+// copyBuffers are ReverseProxy's response copy buffers, shared by all
+// agents of the process.
+var copyBuffers = &bufferPool{}
+
+// bufferPool is an httputil.BufferPool over a sync.Pool of 32 KiB buffers
+// (ReverseProxy's own size).
+type bufferPool struct{ p sync.Pool }
+
+// Get returns a 32 KiB buffer.
+func (b *bufferPool) Get() []byte {
+	if v, ok := b.p.Get().(*[]byte); ok {
+		return *v
+	}
+	return make([]byte, 32<<10)
+}
+
+// Put returns a buffer from Get.
+func (b *bufferPool) Put(buf []byte) { b.p.Put(&buf) }
+
 func (a *Agent) newProxy() http.Handler {
 	return &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(a.upstream)
 			pr.Out.URL.RawQuery = ""
 			a.authorize(pr.Out.Header)
+			if pr.In.ContentLength > 0 && reflect.TypeOf(pr.In.Body) == bufferedBodyType {
+				// ReverseProxy hides the body behind its own no-op Close
+				// wrapper, so net/http no longer sees that it is in
+				// memory and writes the request head and the body to the
+				// engine in two writes. The body buffered by
+				// transport.ServeHTTP has a no-op Close already: pass it
+				// as it is, and the request goes out in one.
+				pr.Out.Body = pr.In.Body
+			}
 		},
 		Transport: a.cfg.UpstreamTransport,
+		// Without a pool, ReverseProxy allocates a 32 KiB copy buffer per
+		// request: under load that was most of the agent's allocation and
+		// its GC most of the agent's CPU beyond the network itself.
+		BufferPool: copyBuffers,
 		// Server-sent events are flushed per write by ReverseProxy itself
 		// (it recognises text/event-stream and unknown lengths).
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {

@@ -73,6 +73,16 @@ type Config struct {
 	// Gossip configures membership gossip among the relay and its agents;
 	// the zero value runs it with the home preset (see GossipConfig).
 	Gossip GossipConfig
+	// Peers configures session sharing with peer relays (peers.go); the
+	// zero value shares with the relays the agents name.
+	Peers PeersConfig
+	// WarmUp, if set, holds back accepting HTTP connections after the start
+	// until agents have joined (at least one routable and no new join for
+	// 250 ms), for at most this long: with several relays behind one name,
+	// a restarted relay then does not answer 503 while its agents rejoin;
+	// clients wait in the listen backlog or go to another relay. Zero means
+	// serve at once.
+	WarmUp time.Duration
 
 	// APIKeys are the client keys accepted as "Authorization: Bearer KEY".
 	// The relay refuses to start without keys unless NoAuth is set.

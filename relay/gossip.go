@@ -290,7 +290,7 @@ func (r *Relay) startP2PAdmission(relays map[peer.ID]bool) {
 				return
 			case now := <-t.C:
 				for _, p := range r.reg.overdue(now) {
-					if r.reg.IsJoined(p) || relays[p] {
+					if r.reg.IsJoined(p) || relays[p] || (r.peers != nil && r.peers.known(p)) {
 						continue
 					}
 					r.log.Debug().Stringer("peer", p).Msg("disconnecting a peer that did not join")
@@ -313,9 +313,12 @@ func (r *Relay) startGossip() error {
 		Logger: r.cfg.Logger,
 		Preset: gc.Preset,
 		Tune:   gc.Tune,
-		Admit:  func(p peer.ID) bool { return rg.relays[p] || r.reg.GossipAdmitted(p) },
-		// Peer relays pass on what they heard; agents are believed only
-		// about themselves, and one caught forging is cut off.
+		Admit:  func(p peer.ID) bool { return rg.relays[p] || r.reg.GossipAdmitted(p) || r.peerAdmitted(p) },
+		// Configured peer relays pass on what they heard; agents are
+		// believed only about themselves, and one caught forging is cut
+		// off. Session-sharing peers (peerAdmitted) prove only the join
+		// secret, as agents do, so they too are believed only about
+		// themselves.
 		Trusted:  peerIDs(gc.Relays),
 		OnForged: r.forged,
 		MetaSource: func() transport.NodeMeta {

@@ -70,6 +70,7 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	session := sessionKey(req, rt)
 	rl.model, rl.stream, rl.session = rt.model, rt.stream, session != ""
 
+	r.installBinding(session)
 	att := r.sched.Begin(scheduler.Request{Model: rt.model, SessionKey: session})
 	var (
 		lastErr        error
@@ -147,7 +148,11 @@ func pickError(err error, model string, failures int, allRateLimited bool, retry
 // attempt and any failure ends it (with an error event for streams).
 // Every outcome is reported to the scheduler exactly once.
 func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, att *scheduler.Attempt, c scheduler.Choice, rl *reqLog) attemptResult {
-	report := func(o scheduler.Outcome) { att.Report(c, o) }
+	report := func(o scheduler.Outcome) {
+		if att.Report(c, o) == scheduler.ClassSuccess {
+			r.shareBinding(att.Request().SessionKey, c.EndpointID)
+		}
+	}
 	tgt, ok := r.target(c, req.URL.Path)
 	if !ok {
 		report(scheduler.Outcome{Err: ErrAgentGone})

@@ -34,6 +34,9 @@ type Registry struct {
 	// onChange, if set, is called (without mu held) after the routable set
 	// may have changed.
 	onChange func()
+	// onRelays, if set, is called (without mu held) with the relays a
+	// joining or updating agent names (peers.go).
+	onRelays func([]string)
 	// ops, if set, holds the operator's settings that win over what agents
 	// declare, and the names reserved for provider endpoints (operator.go).
 	ops *operator
@@ -205,6 +208,9 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	g.log.Info().Str("agent", info.Name).Stringer("peer", p).Strs("models", info.Models).
 		Int("capacity", info.Capacity).Bool("draining", info.Draining).Msg("agent joined")
 	g.changed()
+	if g.onRelays != nil && len(info.Relays) > 0 {
+		g.onRelays(info.Relays)
+	}
 	return nil
 }
 
@@ -221,6 +227,7 @@ func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
 	}
 	info.Name = e.name
 	e.info = cloneInfo(info)
+	relays := info.Relays
 	if !e.dead {
 		g.sched.Upsert(g.endpoint(e))
 		g.sched.SetHealth(e.name, g.health(e))
@@ -230,6 +237,9 @@ func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
 	g.log.Info().Str("agent", info.Name).Strs("models", info.Models).Int("capacity", info.Capacity).
 		Bool("draining", info.Draining).Msg("agent updated")
 	g.changed()
+	if g.onRelays != nil && len(relays) > 0 {
+		g.onRelays(relays)
+	}
 }
 
 // Left removes the agent that peer p joined as and frees its name.
@@ -389,5 +399,6 @@ func (e *entry) effectiveHealth() scheduler.Health {
 
 func cloneInfo(info transport.JoinInfo) transport.JoinInfo {
 	info.Models = slices.Clone(info.Models)
+	info.Relays = slices.Clone(info.Relays)
 	return info
 }

@@ -47,6 +47,7 @@ type Relay struct {
 	join    io.Closer // the join service on host
 
 	gossip *relayGossip // nil when gossip is off or without a host
+	peers  *peerManager // nil when sharing with peer relays is off or without a host
 	// circuits counts the circuit relay service's work (own host only).
 	circuits transport.RelayCounters
 	// draining is set once the relay starts stopping; gossip publishes it.
@@ -118,6 +119,11 @@ func New(cfg Config) (*Relay, error) {
 			}
 			r.host, r.ownHost = h, true
 		}
+		if !cfg.Peers.Disabled {
+			// Before the join service: agents' relay lists feed it.
+			r.peers = newPeerManager(r)
+			r.reg.onRelays = r.peers.hint
+		}
 		join, err := transport.ServeJoin(r.host, cfg.Token, r.reg)
 		if err != nil {
 			if r.ownHost {
@@ -143,6 +149,10 @@ func New(cfg Config) (*Relay, error) {
 				return nil, err
 			}
 			r.metrics.reg.MustRegister(gossipCollector{r})
+		}
+		if r.peers != nil {
+			r.peers.start()
+			r.metrics.reg.MustRegister(peerCollector{r.peers})
 		}
 		if r.rt == nil {
 			r.rt = transport.NewRoundTripper(r.host)
@@ -233,6 +243,7 @@ func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
 	}
 	defer stopAdmin()
 	r.log.Info().Str("addr", ln.Addr().String()).Msg("relay http listening")
+	r.warmUp(ctx)
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {
@@ -266,9 +277,16 @@ func (r *Relay) Close() error {
 			r.bgCancel()
 			r.bgWG.Wait()
 		}
+		if r.peers != nil {
+			r.peers.stop()
+		}
 		r.providers.close()
 		if r.gossip != nil {
 			errs = append(errs, r.gossip.shutdown())
+		}
+		if r.peers != nil {
+			// After gossip: a gossip join in progress returns at its shutdown.
+			r.peers.wait()
 		}
 		if r.join != nil {
 			errs = append(errs, r.join.Close())

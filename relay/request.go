@@ -34,7 +34,7 @@ func parseRouting(body []byte) (routing, error) {
 	if len(trimmed) == 0 || trimmed[0] != '{' {
 		return routing{}, errBadRequest("invalid_json", "The request body must be a JSON object", nil)
 	}
-	if err := json.Unmarshal(body, &f); err != nil {
+	if err := scanRoutingFields(body, &f); err != nil {
 		return routing{}, errBadRequest("invalid_json", "The request body is not valid JSON", err)
 	}
 	var rt routing

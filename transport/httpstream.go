@@ -165,81 +165,22 @@ func (l *allowListener) Accept() (net.Conn, error) {
 
 // NewRoundTripper returns an http.RoundTripper that carries requests on
 // InferProtocol streams of h to the peer named by the URL's host
-// (http://<peer ID>/v1/...). It is a net/http Transport whose "connections"
-// are libp2p streams: a stream whose response was read to its end goes back
-// to a small idle pool and carries the next request to that peer (HTTP/1.1
-// keep-alive), which saves opening and negotiating a stream per request.
-// Cancelling a request's context, or closing its body early, resets its
-// stream at once; the server's handler sees its context end. libp2p keeps one
-// QUIC connection per peer under all of these streams. Limited (relayed)
+// (http://<peer ID>/v1/...), as HTTP/1.1 written and parsed by net/http.
+// A stream whose response was read to its end goes back to a small idle
+// pool and carries the next request to that peer (HTTP/1.1 keep-alive),
+// which saves opening and negotiating a stream per request. Cancelling a
+// request's context, or closing its body early, resets its stream at once;
+// the server's handler sees its context end. libp2p keeps one QUIC
+// connection per peer under all of these streams. Limited (relayed)
 // connections are not used: they are too small for inference traffic.
+// See streamTransport for why this is not an http.Transport.
 func NewRoundTripper(h host.Host) http.RoundTripper {
-	t := &http.Transport{
-		// No proxy from the environment: the "host" is a peer ID.
-		Proxy: nil,
-		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			return dialStream(ctx, h, addr)
-		},
-		// The agent's side accepts 256 concurrent streams per connection
-		// (quic-go's limit in libp2p): keep the idle pool well below.
-		MaxIdleConnsPerHost: 32,
-		MaxIdleConns:        4096,
-		// Shorter than the server's IdleTimeout, so that the client retires
-		// an idle stream before the server closes it under a new request.
-		IdleConnTimeout:    30 * time.Second,
-		DisableCompression: true,
-	}
-	return &roundTripper{t: t}
+	return newStreamTransport(h)
 }
 
-type roundTripper struct {
-	t *http.Transport
-}
-
-// RoundTrip implements http.RoundTripper.
-func (rt *roundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
-	if req.URL == nil {
-		if req.Body != nil {
-			req.Body.Close()
-		}
-		return nil, errors.New("transport: nil request URL")
-	}
-	if _, err := peer.Decode(req.URL.Hostname()); err != nil {
-		if req.Body != nil {
-			req.Body.Close()
-		}
-		return nil, fmt.Errorf("transport: URL host %q is not a peer ID: %w", req.URL.Hostname(), err)
-	}
-	return rt.t.RoundTrip(req)
-}
-
-// CloseIdleConnections closes the idle streams of the pool.
-func (rt *roundTripper) CloseIdleConnections() { rt.t.CloseIdleConnections() }
-
-// dialStream opens an InferProtocol stream to the peer in addr ("<peer
-// ID>:<port>") as a net.Conn.
-func dialStream(ctx context.Context, h host.Host, addr string) (net.Conn, error) {
-	hostname, _, err := net.SplitHostPort(addr)
-	if err != nil {
-		hostname = addr
-	}
-	pid, err := peer.Decode(hostname)
-	if err != nil {
-		return nil, fmt.Errorf("transport: %q is not a peer ID: %w", hostname, err)
-	}
-	ctx, cancel := context.WithTimeout(ctx, streamOpenTimeout)
-	defer cancel()
-	s, err := h.NewStream(ctx, pid, InferProtocol)
-	if err != nil {
-		return nil, fmt.Errorf("transport: open stream to %s: %w", pid, err)
-	}
-	return &streamConn{Stream: s}, nil
-}
-
-// streamConn is a client stream as a net.Conn. net/http closes a connection
-// it will not reuse: after a cancelled request, a body closed early, an
-// error, or an idle timeout. In every one of those cases the stream is
-// reset, so the server learns at once and nothing lingers half-open.
+// streamConn is a client stream as a net.Conn, as httptrace's GotConn
+// reports it. Its Close resets the stream, so the server learns at once and
+// nothing lingers half-open.
 type streamConn struct {
 	network.Stream
 }

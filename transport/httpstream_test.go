@@ -385,3 +385,33 @@ func BenchmarkStreamEcho(b *testing.B) {
 		}
 	})
 }
+
+func TestHTTPStaleIdleStreamIsReplaced(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		w.Write(b)
+	})
+	first := serve(t, srv, handler, cli.ID())
+	rt := NewRoundTripper(cli)
+	post := func(body string) (string, error) {
+		req, _ := http.NewRequest(http.MethodPost, "http://"+srv.ID().String()+"/v1/x", strings.NewReader(body))
+		resp, err := rt.RoundTrip(req)
+		if err != nil {
+			return "", err
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		return string(b), err
+	}
+	if got, err := post("one"); err != nil || got != "one" {
+		t.Fatalf("first: %q, %v", got, err)
+	}
+	// The server goes away and comes back: the pooled stream is dead.
+	first.Close()
+	serve(t, srv, handler, cli.ID())
+	if got, err := post("two"); err != nil || got != "two" {
+		t.Fatalf("after the server restarted: %q, %v", got, err)
+	}
+}

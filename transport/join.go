@@ -54,6 +54,8 @@ const (
 	maxModels    = 1024
 	maxModelLen  = 256
 	maxReasonLen = 512
+	maxRelays    = 16
+	maxRelayLen  = 512
 	maxWeight    = 1e6
 	maxCapacity  = 1 << 20
 
@@ -89,6 +91,9 @@ type JoinInfo struct {
 	Weight   float64  `json:"weight,omitempty"`   // 0 means 1
 	Capacity int      `json:"capacity,omitempty"` // max concurrent requests; 0 means unlimited
 	Draining bool     `json:"draining,omitempty"` // takes no new requests
+	// Relays are the multiaddrs (with /p2p/<ID>) of every relay the agent
+	// joins, this one included: relays learn their peers from them.
+	Relays []string `json:"relays,omitempty"`
 }
 
 // JoinHandler receives the registrations of a relay's agents. The relay's
@@ -591,6 +596,14 @@ func validateInfo(info JoinInfo) error {
 	}
 	if info.Capacity < 0 || info.Capacity > maxCapacity {
 		return fmt.Errorf("join info: capacity %d outside 0..%d", info.Capacity, maxCapacity)
+	}
+	if len(info.Relays) > maxRelays {
+		return fmt.Errorf("join info: %d relays exceed %d", len(info.Relays), maxRelays)
+	}
+	for _, r := range info.Relays {
+		if r == "" || len(r) > maxRelayLen || !utf8.ValidString(r) {
+			return fmt.Errorf("join info: relay addresses must be 1..%d bytes of UTF-8", maxRelayLen)
+		}
 	}
 	return nil
 }

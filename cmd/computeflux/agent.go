@@ -21,6 +21,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	tuneGC(os.LookupEnv)
 	a, err := agent.New(cfg)
 	if err != nil {
 		return err
@@ -40,7 +41,8 @@ func agentConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	var logs logFlags
 	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&cfg.Relay, "relay", "", "relay `multiaddr` ending in /p2p/<relay peer ID>")
+	var relays listFlag
+	fs.Var(&relays, "relay", "relay `multiaddr` ending in /p2p/<relay peer ID>; repeat it (or give a comma list) to join and serve several relays")
 	fs.StringVar(&cfg.Token, "token", "", "join `secret` (prefer --token-file)")
 	fs.StringVar(&cfg.TokenFile, "token-file", "", "`file` holding the join secret")
 	fs.StringVar(&cfg.Upstream, "upstream", "", "local engine base `URL`, e.g. http://127.0.0.1:8000")
@@ -64,6 +66,7 @@ func agentConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	if err := flagsFromEnv(fs, lookupEnv); err != nil {
 		return cfg, fmt.Errorf("agent: %w", err)
 	}
+	cfg.Relays = relays
 	for _, a := range strings.Split(p2pListen, ",") {
 		if a = strings.TrimSpace(a); a != "" {
 			cfg.ListenAddrs = append(cfg.ListenAddrs, a)

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 
 	"github.com/computeflux/computeflux/agent/simengine"
@@ -16,6 +17,9 @@ import (
 // runBench compares routing policies on one workload and prints the table
 // (or JSON) for each scenario asked for.
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if rest, ok := cutOverhead(args); ok {
+		return runOverhead(ctx, rest, stdout, stderr)
+	}
 	cfg, scenarios, asJSON, err := benchConfig(args, stderr)
 	if err != nil {
 		return err
@@ -66,6 +70,9 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.StringVar(&policies, "policies", "all", "comma-separated `policies`: sticky, round-robin, random, least-loaded, consistent-hash, or all")
 	fs.StringVar(&scenarios, "scenario", "steady", "comma-separated `scenarios`: steady, degraded, failure, join, skew, or all")
 	fs.IntVar(&cfg.Engines, "engines", 4, "number of engines, each with its agent")
+	fs.IntVar(&cfg.Relays, "relays", 0, "relays the requests are spread over at random (sim: schedulers sharing session bindings as relays do; live: real relays, every agent joined to all; 0: one relay, live on the classic cluster)")
+	fs.DurationVar(&cfg.PeerDelay, "peer-delay", 0, "sim: model time a session binding takes to reach the other relays (default 15ms)")
+	fs.BoolVar(&cfg.Keyless, "keyless", false, "send the chat workload without session keys")
 	fs.IntVar(&cfg.Chat.Sessions, "sessions", 0, "chat sessions (default 30 per engine)")
 	fs.DurationVar(&cfg.Duration, "duration", 0, "send no new turn after this much model time (0: the whole workload)")
 	fs.IntVar(&cfg.MaxRequests, "requests", 0, "send at most this many requests (0: the whole workload)")
@@ -123,4 +130,70 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 		cfg.Progress = stderr
 	}
 	return cfg, scs, asJSON, nil
+}
+
+// cutOverhead reports whether args ask for the overhead benchmark
+// (--overhead) and returns them without that flag.
+func cutOverhead(args []string) ([]string, bool) {
+	for i, a := range args {
+		if a == "--" {
+			break
+		}
+		switch a {
+		case "-overhead", "--overhead", "-overhead=true", "--overhead=true":
+			return append(slices.Clone(args[:i]), args[i+1:]...), true
+		}
+	}
+	return args, false
+}
+
+// runOverhead measures the relay path against direct (and frp, when its
+// binaries are named) and prints the table or JSON.
+func runOverhead(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var cfg bench.OverheadConfig
+	var asJSON, quiet bool
+	fs := flag.NewFlagSet("bench --overhead", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "Usage: computeflux bench --overhead [flags]")
+		fmt.Fprintln(stderr, "\nMeasures what the relay path costs: a stub engine that answers at once, reached directly,")
+		fmt.Fprintln(stderr, "through frp (when "+bench.EnvFRPS+" and "+bench.EnvFRPC+" name its binaries) and through a relay")
+		fmt.Fprintln(stderr, "and an agent run as processes of this binary, all on loopback, interleaved in one run.")
+		fmt.Fprintln(stderr, "Prints added p50/p99 (small request, stream first byte), throughput at N clients against")
+		fmt.Fprintln(stderr, "direct and CPU per request of each path's processes; medians over rounds.")
+		fmt.Fprintln(stderr, "\nFlags:")
+		fs.PrintDefaults()
+	}
+	fs.IntVar(&cfg.Sequential, "requests", 2000, "sequential requests per kind (small, stream) and path, per round")
+	fs.IntVar(&cfg.Concurrent, "concurrent-requests", 10000, "small requests per path at --clients clients, per round")
+	fs.IntVar(&cfg.Clients, "clients", 32, "concurrent clients")
+	fs.IntVar(&cfg.Rounds, "rounds", 3, "rounds; the table shows medians")
+	fs.StringVar(&cfg.LogLevel, "log-level", "info", "relay's and agent's --log-level")
+	fs.StringVar(&cfg.Binary, "binary", "", "computeflux `binary` to run as relay and agent (default: this one)")
+	fs.StringVar(&cfg.BaseBinary, "base-binary", "", "a second computeflux `binary` timed in the same run (before/after a change)")
+	fs.StringVar(&cfg.FRPS, "frps", "", "frps `binary` (default $"+bench.EnvFRPS+")")
+	fs.StringVar(&cfg.FRPC, "frpc", "", "frpc `binary` (default $"+bench.EnvFRPC+")")
+	fs.StringVar(&cfg.ProfileDir, "profile", "", "write CPU and allocation profiles of relay and agent under load to this `dir`")
+	fs.IntVar(&cfg.ProfileSeconds, "profile-seconds", 10, "length of the CPU profiles")
+	fs.BoolVar(&asJSON, "json", false, "print JSON instead of a table")
+	fs.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
+	}
+	if !quiet {
+		cfg.Progress = stderr
+	}
+	rep, err := bench.RunOverhead(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rep)
+	}
+	return rep.WriteTable(stdout)
 }

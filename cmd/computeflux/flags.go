@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"os"
 	"strings"
 	"time"
 
@@ -44,7 +45,7 @@ func flagsFromEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) error
 type logFlags struct{ format, level string }
 
 func (l *logFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&l.format, "log-format", "console", "log format: console or json")
+	fs.StringVar(&l.format, "log-format", "auto", "log format: console, json, or auto (console on a terminal, json otherwise)")
 	fs.StringVar(&l.level, "log-level", "info", "log level: debug, info, warn, error")
 }
 
@@ -55,14 +56,35 @@ func (l *logFlags) logger(w io.Writer) (zerolog.Logger, error) {
 	if err != nil {
 		return zerolog.Logger{}, fmt.Errorf("--log-level: %w", err)
 	}
-	switch l.format {
+	format := l.format
+	if format == "auto" {
+		// zerolog's ConsoleWriter decodes every event back from JSON to
+		// format it: on a busy relay the per-request line cost more CPU
+		// than the rest of the request's handling. Humans at a terminal
+		// get it; files, pipes and journals get the JSON as written.
+		format = "json"
+		if isTerminal(w) {
+			format = "console"
+		}
+	}
+	switch format {
 	case "json":
 		return zerolog.New(w).Level(level).With().Timestamp().Logger(), nil
 	case "console":
 		return zerolog.New(zerolog.ConsoleWriter{Out: w, TimeFormat: time.TimeOnly, NoColor: true}).Level(level).With().Timestamp().Logger(), nil
 	default:
-		return zerolog.Logger{}, fmt.Errorf("--log-format %q: want console or json", l.format)
+		return zerolog.Logger{}, fmt.Errorf("--log-format %q: want console, json or auto", l.format)
 	}
+}
+
+// isTerminal reports whether w is a character device (a terminal).
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }
 
 // listFlag is a flag that may be repeated and takes comma-separated

@@ -34,6 +34,10 @@ var commands = []command{
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	if err := servePprof(os.Getenv(envPprof)); err != nil {
+		fmt.Fprintf(os.Stderr, "computeflux: %s: %v\n", envPprof, err)
+		os.Exit(2)
+	}
 	err := dispatch(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	switch {

@@ -10,6 +10,8 @@ import (
 	"os"
 	"strings"
 
+	"github.com/libp2p/go-libp2p/core/peer"
+
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/scheduler"
 )
@@ -20,6 +22,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	tuneGC(os.LookupEnv)
 	r, err := relay.New(cfg)
 	if err != nil {
 		return err
@@ -98,6 +101,11 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	ops.register(fs)
 	nat.register(fs)
 	gossip.register(fs)
+	var peerRelays listFlag
+	fs.Var(&peerRelays, "peer-relay", "another relay's `multiaddr` (ending in /p2p/<peer ID>, same join secret) to share sessions and gossip with from the start; "+
+		"relays also learn each other from the agents that joined them; repeatable or comma-separated")
+	fs.DurationVar(&cfg.WarmUp, "warm-up", 0, "after a start, accept clients only once agents have rejoined, waiting at most this `long` (with several relays behind one name: 3s; 0: at once)")
+	fs.BoolVar(&cfg.Peers.Disabled, "no-peer-relays", false, "share no sessions with other relays (ignore the relays agents name)")
 	fs.Var(&gossip.relays, "gossip-relay", "another relay's `multiaddr` (ending in /p2p/<peer ID>) to share membership gossip with; repeatable or comma-separated")
 	logs.register(fs)
 	if err := fs.Parse(args); err != nil {
@@ -151,6 +159,13 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	}
 	if cfg.Gossip, err = gossip.relayConfig(); err != nil {
 		return cfg, tf, fmt.Errorf("relay: %w", err)
+	}
+	for _, s := range peerRelays {
+		ai, err := peer.AddrInfoFromString(s)
+		if err != nil {
+			return cfg, tf, fmt.Errorf("relay: --peer-relay %q (a multiaddr ending in /p2p/<peer ID>): %w", s, err)
+		}
+		cfg.Peers.Relays = append(cfg.Peers.Relays, *ai)
 	}
 	cfg.Policy = p
 	if err := ops.apply(&cfg); err != nil {

@@ -149,6 +149,16 @@ type Config struct {
 	MaxAttempts int
 	// Scheduler tunes the scheduler; Policy, Clock and Seed are set per run.
 	Scheduler scheduler.Config
+	// Relays is the number of relays requests are spread over at random
+	// (sim: one scheduler per relay sharing bindings as relays do; live:
+	// real relays and package agents, every agent joined to all, steady
+	// scenario only). 0 means one relay (live: the relaytest cluster).
+	Relays int
+	// PeerDelay is the model time a binding takes from one relay to the
+	// others in sim mode. 0 means DefaultPeerDelay.
+	PeerDelay time.Duration
+	// Keyless sends the chat workload without session keys.
+	Keyless bool
 	// TimeScale speeds live engines up (live mode). Default 10.
 	TimeScale float64
 	// Parallel runs the live policies at the same time, each on its own
@@ -195,6 +205,9 @@ func (c *Config) populate() {
 	if c.Engine.BlockSize == 0 {
 		c.Engine.BlockSize = simengine.DefaultBlockSize
 	}
+	if c.PeerDelay <= 0 {
+		c.PeerDelay = DefaultPeerDelay
+	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = 3
 	}
@@ -226,6 +239,12 @@ func (c *Config) validate() error {
 	}
 	if c.Duration < 0 || c.MaxRequests < 0 || c.Capacity < 0 || c.MaxAttempts < 1 {
 		errs = append(errs, errors.New("duration, requests and capacity must not be negative; max attempts at least 1"))
+	}
+	if c.Relays < 0 || c.Relays > 16 {
+		errs = append(errs, fmt.Errorf("relays %d: want 0..16", c.Relays))
+	}
+	if c.Relays > 0 && c.Mode == ModeLive && c.Scenario != ScenarioSteady {
+		errs = append(errs, errRelaysScenario)
 	}
 	if !(c.TimeScale > 0) || !(c.SessionRate > 0) {
 		errs = append(errs, errors.New("time scale and session rate must be positive"))

@@ -26,7 +26,8 @@ import (
 type liveRun struct {
 	cfg    *Config
 	w      *Workload
-	c      *relaytest.Cluster
+	c      *relaytest.Cluster // nil with Config.Relays (lr instead)
+	lr     *liveRelays
 	client *http.Client
 	start  time.Time
 	sent   atomic.Int64
@@ -48,6 +49,19 @@ func runLive(ctx context.Context, cfg *Config, w *Workload, p scheduler.Policy) 
 	}
 	ec := cfg.Engine
 	ec.Seed = cfg.Seed
+	tr := &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, IdleConnTimeout: 30 * time.Second}
+	defer tr.CloseIdleConnections()
+	if cfg.Relays > 0 {
+		lr, err := startLiveRelays(ctx, cfg, p)
+		if err != nil {
+			return Result{}, err
+		}
+		defer lr.Close()
+		r := &liveRun{cfg: cfg, w: w, lr: lr, client: &http.Client{Transport: tr}, start: time.Now()}
+		res, err := r.drive(ctx, p, wall)
+		lr.traffic(&res)
+		return res, err
+	}
 	c, err := relaytest.Start(ctx, relaytest.Config{
 		Engines:     engines,
 		Engine:      simengine.Config{Models: []string{cfg.Model}, TimeScale: cfg.TimeScale, Engine: ec},
@@ -60,10 +74,13 @@ func runLive(ctx context.Context, cfg *Config, w *Workload, p scheduler.Policy) 
 		return Result{}, err
 	}
 	defer c.Close()
-	tr := &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, IdleConnTimeout: 30 * time.Second}
-	defer tr.CloseIdleConnections()
 	r := &liveRun{cfg: cfg, w: w, c: c, client: &http.Client{Transport: tr}, start: time.Now()}
+	return r.drive(ctx, p, wall)
+}
 
+// drive runs the workload and the scenario through the cluster.
+func (r *liveRun) drive(ctx context.Context, p scheduler.Policy, wall time.Time) (Result, error) {
+	cfg, w := r.cfg, r.w
 	var wg sync.WaitGroup
 	stopAux := make(chan struct{})
 	var actErr error
@@ -228,13 +245,21 @@ func (r *liveRun) do(ctx context.Context, session string, msgs []message, maxTok
 	if err != nil {
 		return "", err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.c.URL()+"/v1/chat/completions", bytes.NewReader(b))
+	base, key := "", liveRelaysKey
+	if r.lr != nil {
+		base = r.lr.url()
+	} else {
+		base, key = r.c.URL(), r.c.APIKey()
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(b))
 	if err != nil {
 		return "", err
 	}
-	req.Header.Set("Authorization", "Bearer "+r.c.APIKey())
+	req.Header.Set("Authorization", "Bearer "+key)
 	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-Session-ID", session)
+	if !r.cfg.Keyless {
+		req.Header.Set("X-Session-ID", session)
+	}
 	resp, err := r.client.Do(req)
 	if err != nil {
 		return "", err

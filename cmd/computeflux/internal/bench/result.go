@@ -61,6 +61,13 @@ type Result struct {
 	Decision *Micros `json:"decision_us,omitempty"`
 	// Wall is how long the run took in real time.
 	Wall time.Duration `json:"wall_ns"`
+	// Relays is the number of relays the requests were spread over (0:
+	// one); BindingUpdates counts bindings sent between them and
+	// BindingBytesPerSec the bytes each relay sent per second of model
+	// time (sim: the wire size of the updates).
+	Relays             int     `json:"relays,omitempty"`
+	BindingUpdates     int64   `json:"binding_updates,omitempty"`
+	BindingBytesPerSec float64 `json:"binding_bytes_per_sec,omitempty"`
 }
 
 // summarize turns records into a Result.
@@ -216,6 +223,11 @@ func (rp *Report) WriteTable(w io.Writer) error {
 			for _, k := range slices.Sorted(maps.Keys(r.ErrorCauses)) {
 				fmt.Fprintf(&b, " %d× %s;", r.ErrorCauses[k], k)
 			}
+		}
+	}
+	for _, r := range rp.Results {
+		if r.Relays > 1 {
+			fmt.Fprintf(&b, "\n%s over %d relays: %d binding updates between relays, %.0f bytes/s sent per relay", r.Policy, r.Relays, r.BindingUpdates, r.BindingBytesPerSec)
 		}
 	}
 	b.WriteString("\nwall time per policy:")

@@ -104,6 +104,7 @@ type simCall struct {
 	sess, turn int
 	rec        int // index into records
 	att        *scheduler.Attempt
+	relay      int // which relay took the request (Config.Relays)
 	choice     scheduler.Choice
 	eng        int
 	req        *simengine.Request
@@ -122,6 +123,7 @@ type simRun struct {
 	clock   *vclock
 	start   time.Time
 	sched   *scheduler.Scheduler
+	relays  *simRelays // nil with one relay (relays.go)
 	engines []*simEngine
 	q       simQueue
 	seq     uint64
@@ -154,6 +156,9 @@ func runSim(ctx context.Context, cfg *Config, w *Workload, policy scheduler.Poli
 	sc.Policy, sc.Clock, sc.Seed = policy, r.clock, int64(cfg.Seed)|1
 	var err error
 	if r.sched, err = scheduler.New(sc); err != nil {
+		return Result{}, err
+	}
+	if err := r.newRelays(sc); err != nil {
 		return Result{}, err
 	}
 	for i := range cfg.Engines {
@@ -210,14 +215,15 @@ func runSim(ctx context.Context, cfg *Config, w *Workload, policy scheduler.Poli
 			if e := r.engines[ev.i]; ev.gen == e.gen {
 				r.advance(ev.i)
 			}
+		case evBind:
+			r.deliver(ev.i)
 		}
 	}
-	for _, st := range r.sched.Snapshot() {
-		if st.InFlight != 0 {
-			return Result{}, fmt.Errorf("bench: simulation left %d requests in flight on %s", st.InFlight, st.ID)
-		}
+	if err := r.checkDrained(); err != nil {
+		return Result{}, err
 	}
 	res := summarize(policy.String(), cfg.Scenario.String(), "sim", r.recs, len(r.engines))
+	r.relayTraffic(&res, r.clock.t.Sub(r.start))
 	dq := quantiles(r.decide)
 	res.Decision = &Micros{P50: dq.P50 * 1000, P99: dq.P99 * 1000}
 	res.Wall = time.Since(wall)
@@ -243,10 +249,12 @@ func (r *simRun) reschedule(i int) {
 func (r *simRun) setUp(i int, up bool) {
 	e := r.engines[i]
 	e.up = up
-	if up {
-		r.sched.Upsert(scheduler.Endpoint{ID: e.id, Models: []string{r.cfg.Model}, Capacity: r.cfg.Capacity})
-	} else {
-		r.sched.Remove(e.id)
+	for _, s := range r.everyScheduler() {
+		if up {
+			s.Upsert(scheduler.Endpoint{ID: e.id, Models: []string{r.cfg.Model}, Capacity: r.cfg.Capacity})
+		} else {
+			s.Remove(e.id)
+		}
 	}
 }
 
@@ -323,9 +331,13 @@ func (r *simRun) send(si int) {
 	r.nextID++
 	c := &simCall{
 		sess: si, turn: s.turn, rec: len(r.recs), sent: now,
-		att: r.sched.Begin(scheduler.Request{Model: r.cfg.Model, SessionKey: ws.Key}),
 		req: &simengine.Request{ID: r.nextID, Tokens: s.tokens, Hashes: s.hashes, MaxTokens: t.MaxTokens},
 	}
+	key := ws.Key
+	if r.cfg.Keyless {
+		key = ""
+	}
+	r.begin(c, key)
 	r.recs = append(r.recs, record{engine: -1})
 	s.turn++
 	if !r.w.Chat && s.turn < len(ws.Turns) {
@@ -374,6 +386,9 @@ func (r *simRun) report(c *simCall, o scheduler.Outcome) scheduler.Class {
 	t0 := time.Now()
 	cl := c.att.Report(c.choice, o)
 	c.decision += time.Since(t0)
+	if cl == scheduler.ClassSuccess {
+		r.shareSuccess(c)
+	}
 	return cl
 }
 

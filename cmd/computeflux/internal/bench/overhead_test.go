@@ -1,0 +1,112 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestProcCPUReadsOwnProcess(t *testing.T) {
+	// Burn a little CPU so that the figure is above one clock tick.
+	deadline := time.Now().Add(50 * time.Millisecond)
+	for x := 0; time.Now().Before(deadline); x++ {
+		_ = x * x
+	}
+	if d := procCPU(os.Getpid()); d <= 0 {
+		t.Fatalf("procCPU(self) = %v, want > 0", d)
+	}
+	if d := procCPU(1 << 30); d != -1 {
+		t.Fatalf("procCPU(no such pid) = %v, want -1", d)
+	}
+}
+
+func TestSummarizeOverheadAgainstDirectPerRound(t *testing.T) {
+	ms := time.Millisecond
+	direct := &target{name: "direct", rounds: []OverheadRound{
+		{SmallP50: 1 * ms, StreamP50: 1 * ms, RPS: 100},
+		{SmallP50: 2 * ms, StreamP50: 2 * ms, RPS: 50},
+		{SmallP50: 1 * ms, StreamP50: 1 * ms, RPS: 100},
+	}}
+	path := &target{name: "p", rounds: []OverheadRound{
+		{SmallP50: 2 * ms, StreamP50: 4 * ms, RPS: 50, CPUPerRequest: map[string]time.Duration{"relay": 10 * time.Microsecond}},
+		{SmallP50: 2500 * time.Microsecond, StreamP50: 3 * ms, RPS: 40, CPUPerRequest: map[string]time.Duration{"relay": 30 * time.Microsecond}},
+		{SmallP50: 1500 * time.Microsecond, StreamP50: 2 * ms, RPS: 80, CPUPerRequest: map[string]time.Duration{"relay": 20 * time.Microsecond}},
+	}}
+	p := summarizeOverhead(path, direct)
+	// Added small p50 per round: 1, 0.5, 0.5 ms: median 0.5 ms.
+	if p.AddedSmallP50 != 500*time.Microsecond {
+		t.Errorf("added small p50 = %v, want 500µs", p.AddedSmallP50)
+	}
+	// Stream: 3, 1, 1 ms.
+	if p.AddedStreamP50 != 1*ms {
+		t.Errorf("added stream p50 = %v, want 1ms", p.AddedStreamP50)
+	}
+	// Ratios 0.5, 0.8, 0.8.
+	if p.RPSRatio != 0.8 {
+		t.Errorf("ratio = %v, want 0.8", p.RPSRatio)
+	}
+	if p.CPUPerRequest["relay"] != 20*time.Microsecond {
+		t.Errorf("cpu = %v, want 20µs", p.CPUPerRequest["relay"])
+	}
+}
+
+func TestStubEngineAnswers(t *testing.T) {
+	eng, err := startStubEngine()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	tg := &target{name: "direct", url: eng.url, client: &http.Client{Transport: tr}}
+	for _, stream := range []bool{false, true} {
+		if _, err := tg.do(context.Background(), stream); err != nil {
+			t.Fatalf("stream=%v: %v", stream, err)
+		}
+	}
+	lat, _, errs := tg.load(context.Background(), 4, 40, 0)
+	if errs != 0 || len(lat) != 40 {
+		t.Fatalf("load: %d answers, %d errors", len(lat), errs)
+	}
+}
+
+// TestRunOverheadEndToEnd builds the binary and runs a tiny overhead
+// benchmark through a real relay and agent processes.
+func TestRunOverheadEndToEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the computeflux binary; skipped with -short")
+	}
+	bin := filepath.Join(t.TempDir(), "computeflux")
+	out, err := exec.Command("go", "build", "-o", bin, "github.com/computeflux/computeflux/cmd/computeflux").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	t.Setenv(EnvFRPS, "") // frp is timed by hand, not in tests
+	t.Setenv(EnvFRPC, "")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	rep, err := RunOverhead(ctx, OverheadConfig{Binary: bin, Sequential: 20, Concurrent: 100, Clients: 4, Rounds: 1, LogLevel: "warn"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Paths) != 2 || rep.Paths[1].Name != "computeflux" {
+		t.Fatalf("paths %+v", rep.Paths)
+	}
+	cf := rep.Paths[1]
+	if cf.Errors != 0 || cf.RPS <= 0 || len(cf.CPUPerRequest) != 2 {
+		t.Fatalf("computeflux path: %+v", cf)
+	}
+	var b bytes.Buffer
+	if err := rep.WriteTable(&b); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(b.String(), "| computeflux |") {
+		t.Fatalf("table:\n%s", b.String())
+	}
+}

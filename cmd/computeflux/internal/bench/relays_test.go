@@ -1,0 +1,79 @@
+package bench
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/computeflux/computeflux/scheduler"
+)
+
+// TestSimRelaysShareBindings spreads the chat workload over 4 relays: with
+// bindings shared, sticky keeps its one-relay hit ratio; with relays that
+// share nothing (a binding that never arrives), it falls.
+func TestSimRelaysShareBindings(t *testing.T) {
+	w, err := Chat(ChatConfig{Sessions: 60}, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := func(relays int, delay time.Duration) Result {
+		t.Helper()
+		cfg := simConfig(Config{Engines: 4, Relays: relays, PeerDelay: delay, Seed: 3})
+		res, err := runSim(context.Background(), cfg, w, scheduler.PolicySticky)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Errors != 0 {
+			t.Fatalf("%d relays: %d errors", relays, res.Errors)
+		}
+		return res
+	}
+	one, four := run(1, 0), run(4, 0)
+	isolated := run(4, 1000*time.Hour) // bindings arrive after the run
+	t.Logf("hit: one relay %.1f%%, four sharing %.1f%% (%d updates, %.0f B/s per relay), four isolated %.1f%%",
+		100*one.HitRatio, 100*four.HitRatio, four.BindingUpdates, four.BindingBytesPerSec, 100*isolated.HitRatio)
+	if four.HitRatio < 0.98*one.HitRatio {
+		t.Errorf("four relays hit %.3f, below 98%% of one relay's %.3f", four.HitRatio, one.HitRatio)
+	}
+	if isolated.HitRatio > four.HitRatio-0.05 {
+		t.Errorf("isolated relays hit %.3f, near sharing relays' %.3f: the test shows nothing", isolated.HitRatio, four.HitRatio)
+	}
+	if four.Relays != 4 || four.BindingUpdates == 0 || one.Relays != 0 {
+		t.Errorf("relay fields: %+v / %+v", four, one)
+	}
+}
+
+// A short live run over three real relays, requests at random over them:
+// sticky still beats round-robin, nothing fails, and bindings flow.
+func TestLiveRelays(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts relays and agents over QUIC")
+	}
+	cfg := Config{
+		Mode:      ModeLive,
+		Engines:   3,
+		Relays:    3,
+		Seed:      2,
+		TimeScale: 50,
+		Policies:  []scheduler.Policy{scheduler.PolicySticky, scheduler.PolicyRoundRobin},
+		Chat:      ChatConfig{Sessions: 12, SystemTokens: 1000, MeanTurns: 4, Think: 2 * time.Second, ArrivalSpan: 5 * time.Second},
+	}
+	rp, err := Run(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sticky, rr := rp.Results[0], rp.Results[1]
+	t.Logf("oracle %.3f, sticky over 3 relays %.3f (%d binding updates, %.0f B/s per relay), round-robin %.3f",
+		rp.Oracle, sticky.HitRatio, sticky.BindingUpdates, sticky.BindingBytesPerSec, rr.HitRatio)
+	for _, r := range rp.Results {
+		if r.Errors != 0 || r.Requests != rp.Turns || r.Relays != 3 {
+			t.Fatalf("%s: %d errors in %d requests over %d relays, want %d requests", r.Policy, r.Errors, r.Requests, r.Relays, rp.Turns)
+		}
+	}
+	if sticky.HitRatio <= rr.HitRatio || sticky.BindingUpdates == 0 {
+		t.Fatalf("sticky %.3f, round-robin %.3f, %d binding updates", sticky.HitRatio, rr.HitRatio, sticky.BindingUpdates)
+	}
+	if _, err := Run(context.Background(), Config{Mode: ModeLive, Relays: 2, Scenario: ScenarioFailure}); err == nil {
+		t.Error("several live relays with a failure scenario: accepted")
+	}
+}

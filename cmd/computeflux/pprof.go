@@ -1,0 +1,42 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/pprof"
+	"time"
+)
+
+// envPprof names a loopback address on which any subcommand serves
+// net/http/pprof, for profiling a relay or an agent under load (see
+// `computeflux bench --overhead --profile`). It is deliberately not a flag:
+// profiling is for developers, and a listener is opt-in.
+const envPprof = "COMPUTEFLUX_PPROF"
+
+// servePprof serves the pprof handlers on addr, which must be a loopback
+// address; "" serves nothing. The listener lives as long as the process.
+func servePprof(addr string) error {
+	if addr == "" {
+		return nil
+	}
+	if !isLoopbackListen(addr) {
+		return errors.New("pprof listens on loopback only (e.g. 127.0.0.1:6060)")
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("pprof: %w", err)
+	}
+	// Our own mux: the relay and the agent never serve http.DefaultServeMux,
+	// but nothing here relies on that.
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go srv.Serve(ln) //nolint:errcheck // lives until the process exits
+	return nil
+}

@@ -1,0 +1,863 @@
+package relay
+
+// Peer relays: several relays serve one fleet and share session bindings.
+//
+// Relays learn each other from the agents that joined them (every agent's
+// join info lists all its relays) and from PeersConfig.Relays. A relay
+// keeps one outbound SessionsProtocol stream to every peer relay it knows:
+// both sides prove the join secret (HMAC over both peer IDs and the other
+// side's nonce), then the dialer sends the bindings it holds and, from then
+// on, batches of binding updates (every local new binding or move, and a
+// refresh of a busy session every TTL/10). Its peer does the same the other
+// way, so each stream carries one direction. A peer relay, once it has
+// proved the secret, is admitted to gossip and joined, so that relays and
+// agents form one memberlist cluster: a hard failure one relay sees (an
+// agent dead or gone) reaches the others. Breakers and latency averages
+// stay per relay: they measure the relay's own path.
+//
+// Received bindings go through scheduler.BindingTable (the order that makes
+// every relay agree; see there) and, when they win, into the scheduler with
+// Bind. A binding to an agent this relay does not know yet (an agent that
+// has not rejoined after a restart) stays in the table and is installed
+// when a request of the session arrives (installBinding).
+//
+// Frames: length uint32 big endian (bytes after it, 1..maxPeerFrame), type
+// byte, body. Handshake: challenge (reader -> dialer, 32-byte nonce),
+// proof (dialer -> reader: its nonce || HMAC), proof (reader -> dialer:
+// HMAC). Then bindings frames, dialer -> reader only (encodeBindings).
+
+import (
+	"bufio"
+	"context"
+	"crypto/hmac"
+	crand "crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/network"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/libp2p/go-libp2p/core/peerstore"
+	"github.com/libp2p/go-libp2p/core/protocol"
+	ma "github.com/multiformats/go-multiaddr"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/computeflux/computeflux/scheduler"
+)
+
+// SessionsProtocol carries session bindings from one relay to a peer relay.
+const SessionsProtocol protocol.ID = "/computeflux/sessions/1.0.0"
+
+// Defaults for the zero values of PeersConfig.
+const (
+	DefaultPeerFlushInterval = 10 * time.Millisecond // batching delay of binding updates
+	DefaultPeerMaxPending    = 1 << 16               // updates queued per peer before a resync
+	DefaultPeerForget        = 5 * time.Minute       // a learned peer unreachable this long is dropped
+)
+
+// PeersConfig configures how the relay shares session bindings with peer
+// relays. The zero value shares them with the peers learned from agents.
+type PeersConfig struct {
+	// Disabled keeps the relay to itself: no bindings shared, agents'
+	// relay lists ignored.
+	Disabled bool
+	// Relays are peer relays to connect to from the start (--peer-relay),
+	// kept for as long as the relay runs. Empty means only those learned
+	// from agents.
+	Relays []peer.AddrInfo
+	// FlushInterval is how long binding updates wait to be sent in one
+	// batch. Zero means DefaultPeerFlushInterval (10 ms).
+	FlushInterval time.Duration
+	// MaxPending bounds the updates queued for one peer; past it the queue
+	// is dropped and the peer is sent every live binding again. Zero means
+	// DefaultPeerMaxPending.
+	MaxPending int
+	// Forget is how long a peer learned from agents may stay unreachable
+	// before the relay stops dialing it. Zero means DefaultPeerForget.
+	Forget time.Duration
+}
+
+func (c PeersConfig) populate() PeersConfig {
+	if c.FlushInterval <= 0 {
+		c.FlushInterval = DefaultPeerFlushInterval
+	}
+	if c.MaxPending <= 0 {
+		c.MaxPending = DefaultPeerMaxPending
+	}
+	if c.Forget <= 0 {
+		c.Forget = DefaultPeerForget
+	}
+	return c
+}
+
+// Wire limits of the sessions protocol.
+const (
+	peerVersion      byte = 1
+	maxPeerFrame          = 1 << 20
+	peerBatchBytes        = 32 << 10 // a batch frame is cut at about this size
+	maxPeerKey            = 1024     // longer session keys are not shared
+	maxPeerEndpoint       = 256
+	maxPeerLinks          = 64 // peer relays known at once
+	peerNonceSize         = 32
+	peerIOTimeout         = 10 * time.Second
+	peerProofLabel        = "computeflux relay peer proof"
+	msgPeerChallenge byte = 1
+	msgPeerProof     byte = 2
+	msgPeerBindings  byte = 3
+)
+
+// errPeerFrame reports a frame that violates the sessions protocol.
+var errPeerFrame = errors.New("malformed sessions frame")
+
+// PeerStats counts the relay's binding traffic with peer relays.
+type PeerStats struct {
+	// Peers is the number of peer relays with an authenticated stream out.
+	Peers int
+	// BindingsSent and BindingsReceived count binding updates.
+	BindingsSent, BindingsReceived uint64
+	// BytesSent and BytesReceived count the sessions protocol's bytes
+	// (frames, handshakes included).
+	BytesSent, BytesReceived uint64
+	// Bound counts received bindings installed into the scheduler.
+	Bound uint64
+	// Sessions is the number of bindings the relay's binding table holds.
+	Sessions int
+	// Refused counts inbound peer streams that failed the handshake.
+	Refused uint64
+}
+
+// peerManager is the relay's side of binding sharing.
+type peerManager struct {
+	r     *Relay
+	cfg   PeersConfig
+	token []byte
+	table *scheduler.BindingTable
+	any   atomic.Bool // a peer has been authenticated: installs are worth a lookup
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu      sync.Mutex // guards the following fields
+	links   map[peer.ID]*peerLink
+	started bool // links learned before start wait for it
+	closed  bool // stop was called: no new goroutines
+
+	sent, recv, bytesSent, bytesRecv, bound, refused atomic.Uint64
+}
+
+// peerLink is one peer relay and the updates queued for it.
+type peerLink struct {
+	id     peer.ID
+	seed   bool        // configured: never forgotten
+	authed atomic.Bool // proved the secret (in either direction): admitted to gossip
+	up     atomic.Bool // our stream to it is authenticated
+	wake   chan struct{}
+	kick   chan struct{} // ends a reconnect pause: the peer just reached us
+
+	mu       sync.Mutex // guards the following fields
+	addrs    []ma.Multiaddr
+	pending  map[string]scheduler.Binding
+	overflow bool // pending was dropped: send a snapshot
+}
+
+func newPeerManager(r *Relay) *peerManager {
+	sc := r.sched.Config()
+	pm := &peerManager{
+		r:     r,
+		cfg:   r.cfg.Peers.populate(),
+		token: r.cfg.Token,
+		table: scheduler.NewBindingTable(sc.SessionTTL, sc.MaxSessions),
+		links: make(map[peer.ID]*peerLink),
+	}
+	pm.ctx, pm.cancel = context.WithCancel(context.Background())
+	return pm
+}
+
+// start registers the protocol handler and dials the configured peers.
+func (pm *peerManager) start() {
+	pm.mu.Lock()
+	pm.started = true
+	for _, l := range pm.links {
+		pm.wg.Add(1)
+		go pm.run(l)
+	}
+	pm.mu.Unlock()
+	pm.r.host.SetStreamHandler(SessionsProtocol, pm.handle)
+	for _, ai := range pm.cfg.Relays {
+		pm.learn(ai.ID, ai.Addrs, true)
+	}
+}
+
+// stop removes the handler and ends every link; wait waits for them.
+func (pm *peerManager) stop() {
+	pm.r.host.RemoveStreamHandler(SessionsProtocol)
+	pm.mu.Lock()
+	pm.closed = true
+	pm.mu.Unlock()
+	pm.cancel()
+}
+
+func (pm *peerManager) wait() { pm.wg.Wait() }
+
+// hint learns peer relays from an agent's join info (multiaddrs with
+// /p2p/<ID>); our own address and bad ones are skipped.
+func (pm *peerManager) hint(addrs []string) {
+	for _, s := range addrs {
+		ai, err := peer.AddrInfoFromString(s)
+		if err != nil || ai.ID == pm.r.host.ID() {
+			continue
+		}
+		pm.learn(ai.ID, ai.Addrs, false)
+	}
+}
+
+// learn adds (or completes) a peer relay and starts its link.
+func (pm *peerManager) learn(id peer.ID, addrs []ma.Multiaddr, seed bool) *peerLink {
+	if id == pm.r.host.ID() {
+		return nil
+	}
+	pm.mu.Lock()
+	defer pm.mu.Unlock()
+	if pm.closed {
+		return nil
+	}
+	l := pm.links[id]
+	if l != nil {
+		l.mu.Lock()
+		for _, a := range addrs {
+			if !containsAddr(l.addrs, a) && len(l.addrs) < 16 {
+				l.addrs = append(l.addrs, a)
+			}
+		}
+		l.mu.Unlock()
+		return l
+	}
+	if len(pm.links) >= maxPeerLinks {
+		return nil
+	}
+	l = &peerLink{id: id, seed: seed, addrs: addrs, wake: make(chan struct{}, 1), kick: make(chan struct{}, 1),
+		pending: make(map[string]scheduler.Binding)}
+	pm.links[id] = l
+	pm.r.log.Info().Stringer("peer_relay", id).Bool("configured", seed).Msg("peer relay learned")
+	if pm.started {
+		pm.wg.Add(1)
+		go pm.run(l)
+	}
+	return l
+}
+
+func containsAddr(list []ma.Multiaddr, a ma.Multiaddr) bool {
+	for _, x := range list {
+		if x.Equal(a) {
+			return true
+		}
+	}
+	return false
+}
+
+// known reports whether p is a peer relay we know (not disconnected by the
+// admission sweep).
+func (pm *peerManager) known(p peer.ID) bool {
+	pm.mu.Lock()
+	defer pm.mu.Unlock()
+	_, ok := pm.links[p]
+	return ok
+}
+
+// admitted reports whether p is a peer relay that proved the secret (gossip
+// admission).
+func (pm *peerManager) admitted(p peer.ID) bool {
+	pm.mu.Lock()
+	l := pm.links[p]
+	pm.mu.Unlock()
+	return l != nil && l.authed.Load()
+}
+
+// local records a local success of session key on agent ep and queues the
+// binding for every peer when it is news.
+func (pm *peerManager) local(key, ep string) {
+	if key == "" || len(key) > maxPeerKey || len(ep) > maxPeerEndpoint {
+		return
+	}
+	b, share := pm.table.Local(key, ep, pm.r.cfg.Clock.Now())
+	if !share {
+		return
+	}
+	pm.mu.Lock()
+	for _, l := range pm.links {
+		l.queue(b, pm.cfg.MaxPending)
+	}
+	pm.mu.Unlock()
+}
+
+// install binds session key in the scheduler as the peers agreed, before
+// its request is scheduled.
+func (pm *peerManager) install(key string) {
+	if key == "" || !pm.any.Load() {
+		return
+	}
+	if b, ok := pm.table.Lookup(key, pm.r.cfg.Clock.Now()); ok {
+		pm.r.sched.Bind(key, b.Endpoint, time.Unix(0, b.Last))
+	}
+}
+
+func (l *peerLink) queue(b scheduler.Binding, limit int) {
+	l.mu.Lock()
+	if !l.overflow {
+		if _, ok := l.pending[b.Key]; !ok && len(l.pending) >= limit {
+			// The peer is far behind: drop the queue and resend the table.
+			clear(l.pending)
+			l.overflow = true
+		} else {
+			l.pending[b.Key] = b
+		}
+	}
+	l.mu.Unlock()
+	select {
+	case l.wake <- struct{}{}:
+	default:
+	}
+}
+
+// take returns the queued updates, or snapshot = true when the peer must
+// be sent the whole table instead.
+func (l *peerLink) take() (batch []scheduler.Binding, snapshot bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.overflow {
+		l.overflow = false
+		clear(l.pending)
+		return nil, true
+	}
+	batch = make([]scheduler.Binding, 0, len(l.pending))
+	for _, b := range l.pending {
+		batch = append(batch, b)
+	}
+	clear(l.pending)
+	return batch, false
+}
+
+// run keeps an authenticated stream to l, reconnecting with backoff, until
+// the relay closes or l is forgotten.
+func (pm *peerManager) run(l *peerLink) {
+	defer pm.wg.Done()
+	backoff, lastUp := 250*time.Millisecond, time.Now()
+	for {
+		err := pm.session(l)
+		if l.up.Swap(false) {
+			lastUp = time.Now()
+			backoff = 250 * time.Millisecond
+		}
+		if pm.ctx.Err() != nil {
+			return
+		}
+		if !l.seed && time.Since(lastUp) > pm.cfg.Forget {
+			pm.mu.Lock()
+			delete(pm.links, l.id)
+			pm.mu.Unlock()
+			pm.r.log.Info().Stringer("peer_relay", l.id).Msg("peer relay unreachable for long; forgotten until an agent names it again")
+			return
+		}
+		pm.r.log.Debug().Err(err).Stringer("peer_relay", l.id).Dur("retry_in", backoff).Msg("peer relay stream ended")
+		select {
+		case <-pm.ctx.Done():
+			return
+		case <-l.kick:
+			// The peer (restarted) reached us: it needs our bindings now.
+			backoff = 250 * time.Millisecond
+			continue
+		case <-time.After(backoff/2 + rand.N(backoff/2+1)):
+		}
+		backoff = min(2*backoff, 30*time.Second)
+	}
+}
+
+// session connects to l, authenticates, sends the live bindings and then
+// batches until an error.
+func (pm *peerManager) session(l *peerLink) error {
+	h := pm.r.host
+	l.mu.Lock()
+	ai := peer.AddrInfo{ID: l.id, Addrs: append([]ma.Multiaddr(nil), l.addrs...)}
+	l.mu.Unlock()
+	cctx, cancel := context.WithTimeout(pm.ctx, peerIOTimeout)
+	defer cancel()
+	if len(ai.Addrs) > 0 {
+		h.Peerstore().AddAddrs(ai.ID, ai.Addrs, peerstore.TempAddrTTL)
+	}
+	if err := h.Connect(network.WithForceDirectDial(cctx, "computeflux peer relay"), ai); err != nil {
+		return fmt.Errorf("connect: %w", err)
+	}
+	s, err := h.NewStream(cctx, l.id, SessionsProtocol)
+	if err != nil {
+		return fmt.Errorf("open stream: %w", err)
+	}
+	gone := make(chan struct{})
+	defer func() {
+		_ = s.Reset()
+		<-gone
+	}()
+	cw := &countingWriter{w: s, n: &pm.bytesSent}
+	cr := bufio.NewReader(&countingReader{r: s, n: &pm.bytesRecv})
+	_ = s.SetDeadline(time.Now().Add(peerIOTimeout))
+	if err := pm.proveDialer(cr, cw, l.id); err != nil {
+		close(gone)
+		return err
+	}
+	_ = s.SetDeadline(time.Time{})
+	// The peer sends nothing more: a read returns when the stream or its
+	// connection dies, which an idle writer would otherwise notice only at
+	// its next write.
+	go func() {
+		defer close(gone)
+		_, _ = io.Copy(io.Discard, cr)
+	}()
+	l.authed.Store(true)
+	l.up.Store(true)
+	pm.any.Store(true)
+	pm.r.log.Info().Stringer("peer_relay", l.id).Msg("sharing sessions with peer relay")
+	pm.joinGossip(l.id)
+	// Everything queued before now is in the snapshot.
+	l.take()
+	bw := bufio.NewWriterSize(cw, peerBatchBytes+4096)
+	if err := pm.send(s, bw, pm.table.Live(pm.r.cfg.Clock.Now(), 0)); err != nil {
+		return err
+	}
+	for {
+		select {
+		case <-pm.ctx.Done():
+			_ = s.Close()
+			return nil
+		case <-gone:
+			return errors.New("stream closed by the peer")
+		case <-l.wake:
+		}
+		// Let a burst gather into one frame.
+		select {
+		case <-pm.ctx.Done():
+		case <-time.After(pm.cfg.FlushInterval):
+		}
+		batch, snapshot := l.take()
+		if snapshot {
+			batch = pm.table.Live(pm.r.cfg.Clock.Now(), 0)
+		}
+		if err := pm.send(s, bw, batch); err != nil {
+			return err
+		}
+	}
+}
+
+// joinGossip joins the peer's gossip in the background so that relays and
+// agents form one cluster.
+func (pm *peerManager) joinGossip(p peer.ID) {
+	rg := pm.r.gossip
+	if rg == nil {
+		return
+	}
+	pm.mu.Lock()
+	defer pm.mu.Unlock()
+	if pm.closed {
+		return
+	}
+	pm.wg.Add(1)
+	go func() {
+		defer pm.wg.Done()
+		if _, err := rg.g.Join(p); err != nil && pm.ctx.Err() == nil {
+			pm.r.log.Debug().Err(err).Stringer("peer_relay", p).Msg("joining a peer relay's gossip")
+		}
+	}()
+}
+
+// send writes bindings in frames of about peerBatchBytes and flushes.
+func (pm *peerManager) send(s network.Stream, bw *bufio.Writer, bs []scheduler.Binding) error {
+	for len(bs) > 0 {
+		body, n := encodeBindings(bs, peerBatchBytes)
+		_ = s.SetWriteDeadline(time.Now().Add(peerIOTimeout))
+		if err := writePeerFrame(bw, msgPeerBindings, body); err != nil {
+			return err
+		}
+		pm.sent.Add(uint64(n))
+		bs = bs[n:]
+	}
+	_ = s.SetWriteDeadline(time.Now().Add(peerIOTimeout))
+	return bw.Flush()
+}
+
+// handle serves a peer relay's inbound stream: authenticate, then apply its
+// bindings until the stream ends.
+func (pm *peerManager) handle(s network.Stream) {
+	defer s.Reset()
+	p := s.Conn().RemotePeer()
+	cw := &countingWriter{w: s, n: &pm.bytesSent}
+	cr := bufio.NewReader(&countingReader{r: s, n: &pm.bytesRecv})
+	_ = s.SetDeadline(time.Now().Add(peerIOTimeout))
+	if err := pm.proveReader(cr, cw, p); err != nil {
+		pm.refused.Add(1)
+		pm.r.log.Warn().Err(err).Stringer("peer", p).Msg("peer relay refused")
+		return
+	}
+	_ = s.SetDeadline(time.Time{})
+	// A relay that proved the secret is a peer: make sure our bindings
+	// flow to it as well (over the connection it opened).
+	l := pm.learn(p, []ma.Multiaddr{s.Conn().RemoteMultiaddr()}, false)
+	if l == nil {
+		return
+	}
+	l.authed.Store(true)
+	pm.any.Store(true)
+	if !l.up.Load() {
+		select {
+		case l.kick <- struct{}{}:
+		default:
+		}
+	}
+	for {
+		typ, body, err := readPeerFrame(cr)
+		if err != nil {
+			return
+		}
+		if typ != msgPeerBindings {
+			return
+		}
+		bs, err := decodeBindings(body)
+		if err != nil {
+			pm.r.log.Warn().Err(err).Stringer("peer_relay", p).Msg("bad bindings frame")
+			return
+		}
+		pm.recv.Add(uint64(len(bs)))
+		now := pm.r.cfg.Clock.Now()
+		for _, b := range bs {
+			if pm.table.Merge(b, now) && pm.r.sched.Bind(b.Key, b.Endpoint, time.Unix(0, b.Last)) {
+				pm.bound.Add(1)
+			}
+		}
+	}
+}
+
+// stats returns the counters.
+func (pm *peerManager) stats() PeerStats {
+	st := PeerStats{
+		BindingsSent: pm.sent.Load(), BindingsReceived: pm.recv.Load(),
+		BytesSent: pm.bytesSent.Load(), BytesReceived: pm.bytesRecv.Load(),
+		Bound: pm.bound.Load(), Sessions: pm.table.Len(), Refused: pm.refused.Load(),
+	}
+	pm.mu.Lock()
+	for _, l := range pm.links {
+		if l.up.Load() {
+			st.Peers++
+		}
+	}
+	pm.mu.Unlock()
+	return st
+}
+
+// PeerStats returns the binding traffic with peer relays (zero when
+// sharing is off).
+func (r *Relay) PeerStats() PeerStats {
+	if r.peers == nil {
+		return PeerStats{}
+	}
+	return r.peers.stats()
+}
+
+// PeerRelays returns the peer relays with an authenticated stream out.
+func (r *Relay) PeerRelays() []peer.ID {
+	if r.peers == nil {
+		return nil
+	}
+	r.peers.mu.Lock()
+	defer r.peers.mu.Unlock()
+	var out []peer.ID
+	for id, l := range r.peers.links {
+		if l.up.Load() {
+			out = append(out, id)
+		}
+	}
+	return out
+}
+
+// proveDialer runs the dialer's side of the handshake with reader.
+func (pm *peerManager) proveDialer(r io.Reader, w io.Writer, reader peer.ID) error {
+	typ, nonceR, err := readPeerFrame(r)
+	if err != nil {
+		return fmt.Errorf("handshake: %w", err)
+	}
+	if typ != msgPeerChallenge || len(nonceR) != peerNonceSize {
+		return fmt.Errorf("handshake: %w", errPeerFrame)
+	}
+	var nonceW [peerNonceSize]byte
+	if _, err := crand.Read(nonceW[:]); err != nil {
+		return err
+	}
+	self := pm.r.host.ID()
+	proof := append(nonceW[:], peerProof(pm.token, 'D', reader, self, nonceR)...)
+	if err := writePeerFrame(w, msgPeerProof, proof); err != nil {
+		return fmt.Errorf("handshake: %w", err)
+	}
+	typ, mac, err := readPeerFrame(r)
+	if err != nil {
+		return fmt.Errorf("handshake: %w (wrong secret at the peer?)", err)
+	}
+	if typ != msgPeerProof || !hmac.Equal(mac, peerProof(pm.token, 'R', reader, self, nonceW[:])) {
+		return errors.New("handshake: the peer relay does not hold our join secret")
+	}
+	return nil
+}
+
+// proveReader runs the accepting side of the handshake with dialer.
+func (pm *peerManager) proveReader(r io.Reader, w io.Writer, dialer peer.ID) error {
+	var nonceR [peerNonceSize]byte
+	if _, err := crand.Read(nonceR[:]); err != nil {
+		return err
+	}
+	if err := writePeerFrame(w, msgPeerChallenge, nonceR[:]); err != nil {
+		return err
+	}
+	typ, body, err := readPeerFrame(r)
+	if err != nil {
+		return err
+	}
+	if typ != msgPeerProof || len(body) != peerNonceSize+sha256.Size {
+		return errPeerFrame
+	}
+	self := pm.r.host.ID()
+	nonceW, mac := body[:peerNonceSize], body[peerNonceSize:]
+	if !hmac.Equal(mac, peerProof(pm.token, 'D', self, dialer, nonceR[:])) {
+		return errors.New("invalid peer relay proof (another join secret?)")
+	}
+	return writePeerFrame(w, msgPeerProof, peerProof(pm.token, 'R', self, dialer, nonceW))
+}
+
+// peerProof is one side's proof of the secret: HMAC-SHA256 over the label,
+// the version, the side ('D' dialer, 'R' reader), both peer IDs and the
+// other side's nonce.
+func peerProof(token []byte, side byte, reader, dialer peer.ID, nonce []byte) []byte {
+	m := hmac.New(sha256.New, token)
+	m.Write([]byte(peerProofLabel))
+	m.Write([]byte{peerVersion, side})
+	for _, b := range [][]byte{[]byte(reader), []byte(dialer), nonce} {
+		var n [4]byte
+		binary.BigEndian.PutUint32(n[:], uint32(len(b)))
+		m.Write(n[:])
+		m.Write(b)
+	}
+	return m.Sum(nil)
+}
+
+func writePeerFrame(w io.Writer, typ byte, body []byte) error {
+	if len(body)+1 > maxPeerFrame {
+		return fmt.Errorf("sessions frame of %d bytes", len(body)+1)
+	}
+	var hdr [5]byte
+	binary.BigEndian.PutUint32(hdr[:4], uint32(len(body)+1))
+	hdr[4] = typ
+	if _, err := w.Write(hdr[:]); err != nil {
+		return err
+	}
+	_, err := w.Write(body)
+	return err
+}
+
+func readPeerFrame(r io.Reader) (byte, []byte, error) {
+	var hdr [5]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return 0, nil, err
+	}
+	n := binary.BigEndian.Uint32(hdr[:4])
+	if n < 1 || n > maxPeerFrame {
+		return 0, nil, errPeerFrame
+	}
+	body := make([]byte, n-1)
+	if _, err := io.ReadFull(r, body); err != nil {
+		return 0, nil, err
+	}
+	return hdr[4], body, nil
+}
+
+// encodeBindings encodes the longest prefix of bs that fits about limit
+// bytes (at least one binding) and returns it with the number encoded:
+//
+//	count uvarint, then per binding: key (uvarint length, bytes),
+//	endpoint (uvarint length, bytes), gen uvarint, since varint (Unix ns),
+//	last - since uvarint
+func encodeBindings(bs []scheduler.Binding, limit int) ([]byte, int) {
+	n := 0
+	size := 0
+	for n < len(bs) && (n == 0 || size+len(bs[n].Key)+len(bs[n].Endpoint)+32 <= limit) {
+		size += len(bs[n].Key) + len(bs[n].Endpoint) + 32
+		n++
+	}
+	buf := make([]byte, 0, size+binary.MaxVarintLen64)
+	buf = binary.AppendUvarint(buf, uint64(n))
+	for _, b := range bs[:n] {
+		buf = binary.AppendUvarint(buf, uint64(len(b.Key)))
+		buf = append(buf, b.Key...)
+		buf = binary.AppendUvarint(buf, uint64(len(b.Endpoint)))
+		buf = append(buf, b.Endpoint...)
+		buf = binary.AppendUvarint(buf, uint64(b.Gen))
+		buf = binary.AppendVarint(buf, b.Since)
+		buf = binary.AppendUvarint(buf, uint64(max(b.Last-b.Since, 0)))
+	}
+	return buf, n
+}
+
+// decodeBindings decodes encodeBindings' format, checking every bound.
+func decodeBindings(buf []byte) ([]scheduler.Binding, error) {
+	count, k := binary.Uvarint(buf)
+	if k <= 0 || count > uint64(len(buf)) {
+		return nil, errPeerFrame
+	}
+	buf = buf[k:]
+	str := func(limit int) (string, bool) {
+		n, k := binary.Uvarint(buf)
+		if k <= 0 || n == 0 || n > uint64(limit) || n > uint64(len(buf)-k) {
+			return "", false
+		}
+		s := string(buf[k : k+int(n)])
+		buf = buf[k+int(n):]
+		return s, true
+	}
+	out := make([]scheduler.Binding, 0, count)
+	for range count {
+		var b scheduler.Binding
+		var ok bool
+		if b.Key, ok = str(maxPeerKey); !ok {
+			return nil, errPeerFrame
+		}
+		if b.Endpoint, ok = str(maxPeerEndpoint); !ok {
+			return nil, errPeerFrame
+		}
+		gen, k := binary.Uvarint(buf)
+		if k <= 0 || gen == 0 || gen > 1<<32-1 {
+			return nil, errPeerFrame
+		}
+		buf = buf[k:]
+		since, k := binary.Varint(buf)
+		if k <= 0 {
+			return nil, errPeerFrame
+		}
+		buf = buf[k:]
+		d, k := binary.Uvarint(buf)
+		if k <= 0 || d > 1<<62 || since > 1<<62 || since < 0 {
+			return nil, errPeerFrame
+		}
+		buf = buf[k:]
+		b.Gen, b.Since, b.Last = uint32(gen), since, since+int64(d)
+		out = append(out, b)
+	}
+	if len(buf) != 0 {
+		return nil, errPeerFrame
+	}
+	return out, nil
+}
+
+type countingWriter struct {
+	w io.Writer
+	n *atomic.Uint64
+}
+
+func (c *countingWriter) Write(b []byte) (int, error) {
+	n, err := c.w.Write(b)
+	c.n.Add(uint64(n))
+	return n, err
+}
+
+type countingReader struct {
+	r io.Reader
+	n *atomic.Uint64
+}
+
+func (c *countingReader) Read(b []byte) (int, error) {
+	n, err := c.r.Read(b)
+	c.n.Add(uint64(n))
+	return n, err
+}
+
+// peerCollector exports the binding traffic at scrape time.
+type peerCollector struct{ pm *peerManager }
+
+var (
+	descPeerRelays = prometheus.NewDesc("computeflux_peer_relays",
+		"Peer relays this relay shares session bindings with.", nil, nil)
+	descPeerBindings = prometheus.NewDesc("computeflux_peer_bindings_total",
+		"Session binding updates exchanged with peer relays, by direction.", []string{"direction"}, nil)
+	descPeerBytes = prometheus.NewDesc("computeflux_peer_bytes_total",
+		"Bytes of the sessions protocol with peer relays, by direction.", []string{"direction"}, nil)
+	descPeerSessions = prometheus.NewDesc("computeflux_peer_sessions",
+		"Session bindings held in the shared binding table.", nil, nil)
+)
+
+// Describe implements prometheus.Collector.
+func (c peerCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descPeerRelays, descPeerBindings, descPeerBytes, descPeerSessions} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c peerCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.pm.stats()
+	ch <- prometheus.MustNewConstMetric(descPeerRelays, prometheus.GaugeValue, float64(st.Peers))
+	ch <- prometheus.MustNewConstMetric(descPeerBindings, prometheus.CounterValue, float64(st.BindingsSent), "sent")
+	ch <- prometheus.MustNewConstMetric(descPeerBindings, prometheus.CounterValue, float64(st.BindingsReceived), "received")
+	ch <- prometheus.MustNewConstMetric(descPeerBytes, prometheus.CounterValue, float64(st.BytesSent), "sent")
+	ch <- prometheus.MustNewConstMetric(descPeerBytes, prometheus.CounterValue, float64(st.BytesReceived), "received")
+	ch <- prometheus.MustNewConstMetric(descPeerSessions, prometheus.GaugeValue, float64(st.Sessions))
+}
+
+// peerAdmitted reports whether p is a peer relay admitted to gossip.
+func (r *Relay) peerAdmitted(p peer.ID) bool { return r.peers != nil && r.peers.admitted(p) }
+
+// installBinding brings the session's binding agreed with the peer relays
+// into the scheduler before the request is scheduled (a no-op without
+// peers or a session key).
+func (r *Relay) installBinding(session string) {
+	if r.peers != nil {
+		r.peers.install(session)
+	}
+}
+
+// shareBinding records a success of session on agent ep for the peer
+// relays.
+func (r *Relay) shareBinding(session, ep string) {
+	if r.peers != nil && session != "" {
+		r.peers.local(session, ep)
+	}
+}
+
+// warmUpQuiet is how long without a new agent join ends the warm-up.
+const warmUpQuiet = 250 * time.Millisecond
+
+// warmUp waits (up to cfg.WarmUp, or until ctx ends) until agents have
+// rejoined: one routable, and none joining for warmUpQuiet.
+func (r *Relay) warmUp(ctx context.Context) {
+	if r.cfg.WarmUp <= 0 {
+		return
+	}
+	start := time.Now()
+	deadline := start.Add(r.cfg.WarmUp)
+	t := time.NewTicker(10 * time.Millisecond)
+	defer t.Stop()
+	last, lastChange := -1, start
+	for time.Now().Before(deadline) {
+		n := r.reg.routable()
+		if n != last {
+			last, lastChange = n, time.Now()
+		}
+		if n > 0 && time.Since(lastChange) >= warmUpQuiet {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+	r.log.Info().Int("agents", last).Dur("took", time.Since(start)).Msg("warm-up over; accepting clients")
+}

@@ -1,0 +1,231 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/peer"
+
+	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/transport"
+)
+
+// The relay process for TestPeerRelayKilledUnderLoad: the test binary run
+// again with this test selected and its configuration in the environment.
+const (
+	envRelayProcess = "COMPUTEFLUX_TEST_RELAY_PROCESS" // "1" in the child
+	envRelayP2P     = "COMPUTEFLUX_TEST_RELAY_P2P"
+	envRelayID      = "COMPUTEFLUX_TEST_RELAY_IDENTITY"
+	envRelayHTTP    = "COMPUTEFLUX_TEST_RELAY_HTTP"
+)
+
+// TestRelayProcessHelper is not a test: it is the relay process that
+// TestPeerRelayKilledUnderLoad starts and kills. Run directly, it skips.
+func TestRelayProcessHelper(t *testing.T) {
+	if os.Getenv(envRelayProcess) != "1" {
+		t.Skip("the relay process of TestPeerRelayKilledUnderLoad, not a test")
+	}
+	r, err := relay.New(relay.Config{
+		P2PListen:    []string{os.Getenv(envRelayP2P)},
+		IdentityFile: os.Getenv(envRelayID),
+		Token:        []byte(gToken),
+		NoAuth:       true,
+		Gossip:       relay.GossipConfig{Tune: gFastTune},
+		WarmUp:       5 * time.Second,
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	ln, err := net.Listen("tcp", os.Getenv(envRelayHTTP))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	_ = r.Serve(ctx, ln)
+	os.Exit(0)
+}
+
+// relayProcess is a relay running as a child process.
+type relayProcess struct {
+	cmd  *exec.Cmd
+	url  string
+	done chan struct{}
+}
+
+func startRelayProcess(t *testing.T, p2p, identity, httpAddr string) *relayProcess {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestRelayProcessHelper$", "-test.count=1")
+	cmd.Env = append(os.Environ(), envRelayProcess+"=1", envRelayP2P+"="+p2p, envRelayID+"="+identity, envRelayHTTP+"="+httpAddr)
+	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	rp := &relayProcess{cmd: cmd, url: "http://" + httpAddr, done: make(chan struct{})}
+	go func() { _ = cmd.Wait(); close(rp.done) }()
+	t.Cleanup(func() { rp.kill() })
+	return rp
+}
+
+// kill SIGKILLs the process (no goodbye to anyone) and waits for it.
+func (rp *relayProcess) kill() {
+	_ = rp.cmd.Process.Signal(syscall.SIGKILL)
+	<-rp.done
+}
+
+func freeTCP(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// TestPeerRelayKilledUnderLoad runs two relays, one in this process and one
+// as a child process, with agents joined to both and clients spreading
+// keyed, non-streamed turns over both at random. A client retries a
+// connection error on the other relay, twice at most, as the OpenAI SDKs
+// do. The child is SIGKILLed under load and started again: no request
+// fails, and the restarted relay routes again soon after its start.
+func TestPeerRelayKilledUnderLoad(t *testing.T) {
+	if os.Getenv(envRelayProcess) == "1" {
+		t.Skip("inside the relay process")
+	}
+	dir := t.TempDir()
+	listenA := freeUDP(t)
+	a := startPeerRelay(t, listenA, filepath.Join(dir, "a.key"), "relay-a")
+	listenB, idB, httpB := freeUDP(t), filepath.Join(dir, "b.key"), freeTCP(t)
+	// The identity file is made here, so that the agents know the child's
+	// peer ID before it starts.
+	key, err := transport.LoadOrCreateIdentity(idB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pidB, err := peer.IDFromPrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	idBPeer := pidB.String()
+	b := startRelayProcess(t, listenB, idB, httpB)
+	addrs := []string{listenA + "/p2p/" + a.r.Host().ID().String(), listenB + "/p2p/" + idBPeer}
+	const na = 3
+	for i := range na {
+		name := fmt.Sprintf("agent-%d", i)
+		startMultiAgent(t, addrs, name, newGEngine(t, name), filepath.Join(dir, name+".key"))
+	}
+	gPoll(t, 60*time.Second, "relay a to share sessions with the relay process", func() bool {
+		return len(a.r.PeerRelays()) == 1
+	})
+	hc := &http.Client{Timeout: 20 * time.Second}
+	defer hc.CloseIdleConnections()
+	urls := []string{a.url, b.url}
+	gPoll(t, 60*time.Second, "the relay process to serve", func() bool {
+		_, _, err := chat(hc, &itRelay{url: b.url}, "probe")
+		return err == nil
+	})
+
+	// Load: 6 clients, each a session, each turn to a relay at random.
+	var (
+		sent, failed, retried, sameAgent, turns atomic.Int64
+		errMu                                   sync.Mutex
+		errs                                    []string
+	)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for c := range 6 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(c), 7))
+			session := fmt.Sprintf("load-%d", c)
+			last := ""
+			for n := 0; n < 2000; n++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				first := rng.IntN(2)
+				var agentName string
+				var err error
+				for try := range 3 {
+					u := urls[(first+try)%2]
+					agentName, _, err = chat(hc, &itRelay{url: u}, session)
+					if err == nil || !isConnError(err) {
+						break
+					}
+					retried.Add(1)
+				}
+				sent.Add(1)
+				if err != nil {
+					failed.Add(1)
+					errMu.Lock()
+					errs = append(errs, err.Error())
+					errMu.Unlock()
+					continue
+				}
+				if last != "" {
+					turns.Add(1)
+					if agentName == last {
+						sameAgent.Add(1)
+					}
+				}
+				last = agentName
+				time.Sleep(20 * time.Millisecond)
+			}
+		}()
+	}
+	time.Sleep(2 * time.Second)
+	before := sent.Load()
+	b.kill()
+	killedAt := time.Now()
+	time.Sleep(2 * time.Second)
+	during := sent.Load() - before
+	b = startRelayProcess(t, listenB, idB, httpB)
+	startedAt := time.Now()
+	back := gPoll(t, 30*time.Second, "the restarted relay to route a request", func() bool {
+		_, _, err := chat(hc, &itRelay{url: b.url}, "probe-after")
+		return err == nil
+	})
+	time.Sleep(2 * time.Second)
+	close(stop)
+	wg.Wait()
+	t.Logf("requests %d (%d in the 2 s after the kill at %v), failed %d, retried on the other relay %d; follow-ups on the same agent %d/%d; restarted relay routed %v after its start (%v)",
+		sent.Load(), during, killedAt.Format("15:04:05.000"), failed.Load(), retried.Load(), sameAgent.Load(), turns.Load(), back, startedAt.Format("15:04:05.000"))
+	if failed.Load() != 0 {
+		t.Errorf("%d requests failed: %s", failed.Load(), strings.Join(errs[:min(len(errs), 5)], "; "))
+	}
+	if retried.Load() == 0 {
+		t.Error("no request was retried on the other relay: the kill did not meet the load")
+	}
+	if during == 0 {
+		t.Error("no request completed while the relay process was down")
+	}
+}
+
+// isConnError reports whether err is a connection failure (refused, reset,
+// closed before the response), which an OpenAI SDK retries.
+func isConnError(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET)
+}

@@ -1,0 +1,379 @@
+package transport
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptrace"
+	"net/textproto"
+	"sync"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/network"
+	"github.com/libp2p/go-libp2p/core/peer"
+)
+
+// streamTransport is the HTTP/1.1 client of NewRoundTripper. The wire is
+// what net/http writes and parses (Request.Write, http.ReadResponse); what
+// it drops is http.Transport's machinery around a connection: a reader and
+// a writer goroutine per connection and the channel hand-offs between them
+// and the caller. Over a libp2p stream, which has goroutines of its own
+// under it (quic-go's connection loop and send queue), those hand-offs were
+// two of the wake-ups on every request's path and a sizable share of the
+// relay's CPU. Here the caller's goroutine writes the request and reads the
+// response itself; a stream whose response was read to its end goes back to
+// an idle pool (HTTP/1.1 keep-alive) and carries the next request to that
+// peer. There is no proxy, no compression and no HTTP/2: the agent speaks
+// HTTP/1.1 on InferProtocol and nothing else.
+type streamTransport struct {
+	// key names the pool a request goes to (a peer ID, a host:port), or
+	// fails for a URL this transport does not serve.
+	key func(*http.Request) (string, error)
+	// dial opens a connection for key; its Close must abort at once (a
+	// stream reset, a TCP close).
+	dial func(ctx context.Context, key string) (net.Conn, error)
+
+	mu   sync.Mutex // guards idle and nValid
+	idle map[string][]*pooledStream
+
+	valid    sync.Map // URL host -> peer.ID, hosts known to be peer IDs
+	nValid   int      // entries in valid (approximate; guarded by mu)
+	maxIdle  int      // idle streams kept per peer
+	idleTime time.Duration
+}
+
+// pooledStream is a client stream (or connection) with its buffers.
+type pooledStream struct {
+	s         net.Conn
+	br        *bufio.Reader
+	bw        *bufio.Writer
+	idleSince time.Time
+}
+
+// Pool limits, as NewRoundTripper documented them for its http.Transport.
+const (
+	// The agent's side accepts 256 concurrent streams per connection
+	// (quic-go's limit in libp2p): keep the idle pool well below.
+	maxIdlePerPeer = 32
+	// Shorter than the server's IdleTimeout, so that the client retires an
+	// idle stream before the server closes it under a new request.
+	idleStreamTimeout = 30 * time.Second
+	// maxValidHosts bounds the cache of validated URL hosts.
+	maxValidHosts = 4096
+)
+
+func newStreamTransport(h host.Host) *streamTransport {
+	t := &streamTransport{idle: map[string][]*pooledStream{}, maxIdle: maxIdlePerPeer, idleTime: idleStreamTimeout}
+	t.key = func(req *http.Request) (string, error) {
+		p, err := t.peerOf(req.URL.Hostname())
+		if err != nil {
+			return "", fmt.Errorf("transport: URL host %q is not a peer ID: %w", req.URL.Hostname(), err)
+		}
+		return string(p), nil
+	}
+	t.dial = func(ctx context.Context, key string) (net.Conn, error) {
+		s, err := openStream(ctx, h, peer.ID(key))
+		if err != nil {
+			return nil, err
+		}
+		return &streamConn{Stream: s}, nil
+	}
+	return t
+}
+
+// NewHTTP1RoundTripper returns an http.RoundTripper for plain http:// URLs
+// (no proxy, no TLS, no HTTP/2, no compression) over connections from dial,
+// with the design of NewRoundTripper: the caller's goroutine writes the
+// request and reads the answer, with no reader and writer goroutines per
+// connection; a connection whose response was read to its end is kept for
+// the next request to the same host:port (at most 32 idle per host, 30 s);
+// a cancelled request or a body closed early closes its connection; a reused
+// connection that fails before any byte of an answer (the server closed it
+// while idle) is replaced once. A nil dial means a net.Dialer's.
+func NewHTTP1RoundTripper(dial func(ctx context.Context, network, addr string) (net.Conn, error)) http.RoundTripper {
+	if dial == nil {
+		dial = (&net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}).DialContext
+	}
+	t := &streamTransport{idle: map[string][]*pooledStream{}, maxIdle: maxIdlePerPeer, idleTime: idleStreamTimeout}
+	t.key = func(req *http.Request) (string, error) {
+		if req.URL.Scheme != "http" {
+			return "", fmt.Errorf("transport: unsupported scheme %q (plain http only)", req.URL.Scheme)
+		}
+		host, port := req.URL.Hostname(), req.URL.Port()
+		if host == "" {
+			return "", errors.New("transport: URL has no host")
+		}
+		if port == "" {
+			port = "80"
+		}
+		return net.JoinHostPort(host, port), nil
+	}
+	t.dial = func(ctx context.Context, key string) (net.Conn, error) {
+		c, err := dial(ctx, "tcp", key)
+		if err != nil {
+			return nil, fmt.Errorf("transport: dial %s: %w", key, err)
+		}
+		return c, nil
+	}
+	return t
+}
+
+// peerOf returns the peer ID a URL host names; decoding one (base58 and a
+// multihash) per request showed in the relay's profile, hence the cache.
+func (t *streamTransport) peerOf(host string) (peer.ID, error) {
+	if v, ok := t.valid.Load(host); ok {
+		return v.(peer.ID), nil
+	}
+	p, err := peer.Decode(host)
+	if err != nil {
+		return "", err
+	}
+	t.mu.Lock()
+	if t.nValid++; t.nValid > maxValidHosts {
+		t.valid.Clear()
+		t.nValid = 1
+	}
+	t.mu.Unlock()
+	t.valid.Store(host, p)
+	return p, nil
+}
+
+// RoundTrip implements http.RoundTripper.
+func (t *streamTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	closeBody := func() {
+		if req.Body != nil {
+			req.Body.Close()
+		}
+	}
+	if req.URL == nil {
+		closeBody()
+		return nil, errors.New("transport: nil request URL")
+	}
+	key, err := t.key(req)
+	if err != nil {
+		closeBody()
+		return nil, err
+	}
+	ctx := req.Context()
+	trace := httptrace.ContextClientTrace(ctx)
+	for try := 0; ; try++ {
+		if err := ctx.Err(); err != nil {
+			closeBody()
+			return nil, err
+		}
+		ps, reused := t.get(key)
+		if ps == nil {
+			c, err := t.dial(ctx, key)
+			if err != nil {
+				closeBody()
+				return nil, err
+			}
+			ps = &pooledStream{s: c, br: bufio.NewReader(c), bw: bufio.NewWriter(c)}
+		}
+		if trace != nil && trace.GotConn != nil {
+			trace.GotConn(httptrace.GotConnInfo{Conn: ps.s, Reused: reused})
+		}
+		resp, err := t.exchange(ctx, req, key, ps, trace)
+		if err == nil {
+			return resp, nil
+		}
+		// A reused stream may have been closed by the server while idle
+		// (its idle timeout, or a restart): if no byte of an answer came,
+		// send the request once more on a fresh stream, as http.Transport
+		// does for a connection it finds closed.
+		var nr *noResponseError
+		if !reused || try > 0 || !errors.As(err, &nr) || ctx.Err() != nil || (req.Body != nil && req.Body != http.NoBody && req.GetBody == nil) {
+			closeBody()
+			return nil, err
+		}
+		if req.GetBody != nil {
+			body, gerr := req.GetBody()
+			if gerr != nil {
+				return nil, err
+			}
+			r2 := *req
+			r2.Body = body
+			req = &r2
+		}
+	}
+}
+
+// noResponseError is a failure on a stream before any byte of a response.
+type noResponseError struct{ err error }
+
+func (e *noResponseError) Error() string { return e.err.Error() }
+func (e *noResponseError) Unwrap() error { return e.err }
+
+// exchange writes req on ps and reads the response head; the body is read
+// by the caller through a streamBody, which returns ps to the pool at its
+// end. A cancelled context resets the stream at once, whatever is under way.
+func (t *streamTransport) exchange(ctx context.Context, req *http.Request, key string, ps *pooledStream, trace *httptrace.ClientTrace) (*http.Response, error) {
+	stop := context.AfterFunc(ctx, func() { _ = ps.s.Close() })
+	fail := func(err error) (*http.Response, error) {
+		stop()
+		_ = ps.s.Close()
+		if cerr := ctx.Err(); cerr != nil {
+			return nil, cerr
+		}
+		return nil, err
+	}
+	if err := req.Write(ps.bw); err != nil {
+		return fail(&noResponseError{fmt.Errorf("transport: write request: %w", err)})
+	}
+	if err := ps.bw.Flush(); err != nil {
+		return fail(&noResponseError{fmt.Errorf("transport: write request: %w", err)})
+	}
+	if trace != nil && trace.WroteRequest != nil {
+		trace.WroteRequest(httptrace.WroteRequestInfo{})
+	}
+	var resp *http.Response
+	for first := true; ; first = false {
+		if _, err := ps.br.Peek(1); err != nil {
+			if first {
+				return fail(&noResponseError{fmt.Errorf("transport: read response: %w", err)})
+			}
+			return fail(fmt.Errorf("transport: read response: %w", err))
+		}
+		if first && trace != nil && trace.GotFirstResponseByte != nil {
+			trace.GotFirstResponseByte()
+		}
+		r, err := http.ReadResponse(ps.br, req)
+		if err != nil {
+			return fail(fmt.Errorf("transport: read response: %w", err))
+		}
+		// Informational answers (1xx but 101) precede the real one.
+		if r.StatusCode >= 100 && r.StatusCode < 200 && r.StatusCode != http.StatusSwitchingProtocols {
+			if trace != nil && trace.Got1xxResponse != nil {
+				if err := trace.Got1xxResponse(r.StatusCode, textproto.MIMEHeader(r.Header)); err != nil {
+					return fail(err)
+				}
+			}
+			continue
+		}
+		resp = r
+		break
+	}
+	b := &streamBody{t: t, ctx: ctx, ps: ps, key: key, stop: stop, rc: resp.Body, keep: !resp.Close && resp.StatusCode != http.StatusSwitchingProtocols}
+	if resp.Body == http.NoBody || resp.Body == nil {
+		b.rc = http.NoBody
+		b.finish(true)
+	}
+	resp.Body = b
+	return resp, nil
+}
+
+// streamBody is a response body on a pooled stream.
+type streamBody struct {
+	t    *streamTransport
+	ctx  context.Context
+	ps   *pooledStream
+	key  string
+	stop func() bool
+	rc   io.ReadCloser
+	keep bool // the stream may carry another request after this one
+
+	mu   sync.Mutex // guards done
+	done bool
+}
+
+// Read reads the body; at its end the stream goes back to the pool.
+func (b *streamBody) Read(p []byte) (int, error) {
+	n, err := b.rc.Read(p)
+	if err != nil {
+		b.finish(err == io.EOF)
+		if cerr := b.ctx.Err(); err != io.EOF && cerr != nil {
+			// The stream broke because the request was cancelled: say so,
+			// as http.Transport does.
+			err = cerr
+		}
+	}
+	return n, err
+}
+
+// Close ends the body; a body not read to its end resets its stream, so
+// the server's handler learns at once that nobody reads its answer.
+func (b *streamBody) Close() error {
+	b.finish(false)
+	return nil
+}
+
+// finish releases the stream once: back to the pool after a clean end,
+// reset otherwise.
+func (b *streamBody) finish(clean bool) {
+	b.mu.Lock()
+	if b.done {
+		b.mu.Unlock()
+		return
+	}
+	b.done = true
+	b.mu.Unlock()
+	// stop is false once the context's reset ran (or is running).
+	if !b.stop() || !clean || !b.keep || b.ps.br.Buffered() > 0 {
+		_ = b.ps.s.Close()
+		return
+	}
+	b.t.put(b.key, b.ps)
+}
+
+// get returns an idle stream for key, newest first, dropping expired ones.
+func (t *streamTransport) get(key string) (*pooledStream, bool) {
+	now := time.Now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	l := t.idle[key]
+	for len(l) > 0 {
+		ps := l[len(l)-1]
+		l[len(l)-1] = nil
+		l = l[:len(l)-1]
+		if now.Sub(ps.idleSince) < t.idleTime {
+			t.idle[key] = l
+			return ps, true
+		}
+		_ = ps.s.Close()
+	}
+	delete(t.idle, key)
+	return nil, false
+}
+
+// put returns a stream whose exchange ended cleanly to the idle pool.
+func (t *streamTransport) put(key string, ps *pooledStream) {
+	ps.idleSince = time.Now()
+	t.mu.Lock()
+	if len(t.idle[key]) >= t.maxIdle {
+		t.mu.Unlock()
+		_ = ps.s.Close()
+		return
+	}
+	t.idle[key] = append(t.idle[key], ps)
+	t.mu.Unlock()
+}
+
+// CloseIdleConnections closes (resets) the idle streams of the pool.
+func (t *streamTransport) CloseIdleConnections() {
+	t.mu.Lock()
+	idle := t.idle
+	t.idle = map[string][]*pooledStream{}
+	t.mu.Unlock()
+	for _, l := range idle {
+		for _, ps := range l {
+			_ = ps.s.Close()
+		}
+	}
+}
+
+// openStream opens an InferProtocol stream to pid, bounded by
+// streamOpenTimeout when ctx has no earlier deadline.
+func openStream(ctx context.Context, h host.Host, pid peer.ID) (network.Stream, error) {
+	ctx, cancel := context.WithTimeout(ctx, streamOpenTimeout)
+	defer cancel()
+	s, err := h.NewStream(ctx, pid, InferProtocol)
+	if err != nil {
+		return nil, fmt.Errorf("transport: open stream to %s: %w", pid, err)
+	}
+	return s, nil
+}
