@@ -184,6 +184,7 @@ type Agent struct {
 	nat      atomic.Pointer[transport.AgentNAT] // set by Run
 	gossip   *transport.Gossip                  // set by Run before any goroutine reads it; nil when off
 	rejoin   chan struct{}                      // asks the gossip loop to join through the relay
+	kick     chan struct{}                      // asks the refresh loop to check the engine now
 	dialSem  chan struct{}                      // bounds predial's dials in flight
 	host     host.Host                          // guarded by mu; set while Run runs
 	draining atomic.Bool
@@ -241,6 +242,7 @@ func New(cfg Config) (*Agent, error) {
 		client:   &http.Client{Transport: cfg.UpstreamTransport},
 		changed:  make(chan struct{}, 1),
 		rejoin:   make(chan struct{}, 1),
+		kick:     make(chan struct{}, 1),
 		dialSem:  make(chan struct{}, predialLimit),
 	}
 	a.proxy = a.newProxy()
@@ -491,15 +493,40 @@ func (a *Agent) drain(ms []*transport.Membership) {
 
 // refreshLoop reads the engine's models and metrics every RefreshInterval.
 func (a *Agent) refreshLoop(ctx context.Context) {
-	t := time.NewTicker(a.cfg.RefreshInterval)
+	t := time.NewTimer(a.cfg.RefreshInterval)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			a.refresh(ctx)
+		case <-a.kick:
+			t.Stop()
 		}
+		a.refresh(ctx)
+		// While the engine fails, check again soon: an engine that stopped
+		// answering takes the agent out of routing (draining) after
+		// EngineFailures checks, not EngineFailures refresh intervals.
+		next := a.cfg.RefreshInterval
+		a.mu.Lock()
+		if a.failures > 0 {
+			next = min(next, engineRecheck)
+		}
+		a.mu.Unlock()
+		t.Reset(next)
+	}
+}
+
+// engineRecheck is the gap between two engine checks while the engine
+// fails.
+const engineRecheck = time.Second
+
+// kickRefresh asks the refresh loop to check the engine now (a request
+// found it unreachable). It never blocks.
+func (a *Agent) kickRefresh() {
+	select {
+	case a.kick <- struct{}{}:
+	default:
 	}
 }
 

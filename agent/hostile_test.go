@@ -18,8 +18,8 @@ import (
 // with its own engine key, to its one engine.
 
 // rawRequest writes raw HTTP bytes on a fresh inference stream to the agent
-// and returns the status line of the answer ("" if the stream was reset or
-// closed without one).
+// and returns the status line of the answer after any informational ones
+// ("" if the stream was reset or closed without one).
 func rawRequest(t *testing.T, r *fakeRelay, a *Agent, raw string) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -33,11 +33,27 @@ func rawRequest(t *testing.T, r *fakeRelay, a *Agent, raw string) string {
 	if _, err := io.WriteString(s, raw); err != nil {
 		return ""
 	}
-	line, err := bufio.NewReader(s).ReadString('\n')
-	if err != nil {
-		return ""
+	br := bufio.NewReader(s)
+	for {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			return ""
+		}
+		if !strings.HasPrefix(line, "HTTP/1.1 1") {
+			return strings.TrimSpace(line)
+		}
+		// The acknowledgement (transport.AckStatus) and its empty header
+		// block come first: skip to the answer.
+		for {
+			h, err := br.ReadString('\n')
+			if err != nil {
+				return ""
+			}
+			if strings.TrimSpace(h) == "" {
+				break
+			}
+		}
 	}
-	return strings.TrimSpace(line)
 }
 
 func TestAgentRefusesProxyForms(t *testing.T) {

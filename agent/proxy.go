@@ -74,6 +74,7 @@ func (a *Agent) newProxy() http.Handler {
 				return
 			}
 			a.log.Warn().Err(err).Str("path", r.URL.Path).Msg("engine request failed")
+			a.kickRefresh() // is the engine down? then drain until it answers
 			writeError(w, http.StatusBadGateway, "engine_unreachable", "the agent could not reach its engine")
 		},
 	}

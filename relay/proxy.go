@@ -161,7 +161,15 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 
 	ctx, cancel := context.WithCancelCause(req.Context())
 	defer cancel(nil)
-	up, err := http.NewRequestWithContext(ctx, http.MethodPost, tgt.url, bytes.NewReader(body))
+	upCtx, acked := ctx, func() {}
+	if upPeer, ok := r.reg.Peer(c.EndpointID); ok && r.live != nil && tgt.rt == r.rt {
+		// An agent (not a provider): see liveness.go. It must acknowledge
+		// the request within a few round trips, and answer probes while
+		// the request is in flight.
+		defer r.live.track(upPeer, c.EndpointID, cancel)()
+		upCtx, acked = r.live.watchAck(ctx, cancel, upPeer, c.EndpointID)
+	}
+	up, err := http.NewRequestWithContext(upCtx, http.MethodPost, tgt.url, bytes.NewReader(body))
 	if err != nil {
 		report(scheduler.Outcome{Err: err})
 		return attemptResult{err: err}
@@ -187,6 +195,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	if err != nil {
 		return r.failed(ctx, req, report, start, 0, err)
 	}
+	acked() // a response header is an acknowledgement too
 	defer resp.Body.Close()
 
 	if cls := scheduler.Classify(resp.StatusCode, nil); cls.Retryable() {
@@ -313,6 +322,8 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	switch {
 	case errors.Is(cause, ErrIdleTimeout):
 		msg, code = "The agent's response stalled", "upstream_timeout"
+	case errors.Is(cause, ErrAgentSilent):
+		msg, code = "The agent stopped answering", "upstream_unreachable"
 	case errors.Is(cause, ErrBadUpstream):
 		msg, code = "The agent sent a malformed event", "upstream_invalid"
 	}
@@ -328,7 +339,7 @@ func (r *Relay) failed(ctx context.Context, req *http.Request, report func(sched
 		report(scheduler.Outcome{Status: statusClientClosed, Latency: lat})
 		return attemptResult{err: errClientGone}
 	}
-	if cause := context.Cause(ctx); errors.Is(cause, ErrTTFBTimeout) {
+	if cause := context.Cause(ctx); errors.Is(cause, ErrTTFBTimeout) || errors.Is(cause, ErrNoAck) || errors.Is(cause, ErrAgentSilent) {
 		err = cause
 	}
 	report(scheduler.Outcome{Status: status, Err: err, Latency: lat})

@@ -69,6 +69,10 @@ type entry struct {
 	info   transport.JoinInfo
 	health scheduler.Health
 	dead   bool // removed from routing by SetDead; the join still holds the name
+	// unresponsive is set by the request path's liveness checks (an
+	// unacknowledged request, a silent probe) and cleared by the next
+	// answer: it makes the agent suspect whatever gossip says.
+	unresponsive bool
 	// joinedAt is when the registration was accepted: gossip news about
 	// the peer from before it is stale (gossip.go).
 	joinedAt time.Time
@@ -390,10 +394,12 @@ func (e *entry) endpoint() scheduler.Endpoint {
 }
 
 // effectiveHealth is the health the scheduler sees: a draining join flag
-// wins over gossip that does not know of it.
+// wins over gossip that does not know of it, and so does a liveness failure
+// seen in the request path (suspect).
 func (e *entry) effectiveHealth() scheduler.Health {
 	h := e.health
 	h.Draining = h.Draining || e.info.Draining
+	h.Suspect = h.Suspect || e.unresponsive
 	return h
 }
 

@@ -47,6 +47,7 @@ type Relay struct {
 	join    io.Closer // the join service on host
 
 	gossip *relayGossip // nil when gossip is off or without a host
+	live   *liveness    // request-path liveness; nil without our own libp2p round tripper
 	peers  *peerManager // nil when sharing with peer relays is off or without a host
 	// circuits counts the circuit relay service's work (own host only).
 	circuits transport.RelayCounters
@@ -156,6 +157,12 @@ func New(cfg Config) (*Relay, error) {
 		}
 		if r.rt == nil {
 			r.rt = transport.NewRoundTripper(r.host)
+			r.live = newLiveness(r.host, r.reg, r.log, r.bgCtx, &r.bgWG)
+			r.bgWG.Add(1)
+			go func() {
+				defer r.bgWG.Done()
+				r.live.run()
+			}()
 		}
 		r.log.Info().Stringer("peer", r.host.ID()).Strs("addrs", r.addrStrings()).Msg("relay p2p listening")
 	}

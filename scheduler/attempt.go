@@ -13,6 +13,11 @@ type Request struct {
 	Model string
 	// SessionKey identifies the conversation; empty means none.
 	SessionKey string
+	// Prefix is the block-hash chain of the request's prompt (see
+	// PromptBlocks); nil means none. With the sticky policy, a request
+	// without a live session mapping goes where its prefix is cached,
+	// weighed against load. The scheduler does not keep the slice.
+	Prefix []uint64
 }
 
 // Affinity says how a pick related to the session's previous endpoint. The
@@ -50,6 +55,9 @@ type Choice struct {
 	// Probe is true when the choice holds one of a half-open breaker's
 	// probe slots.
 	Probe bool
+	// CachedBlocks is how many leading blocks of the request's Prefix the
+	// chosen endpoint was believed to hold.
+	CachedBlocks int
 	// Key is the label of the endpoint key to use (see keys.go); empty for
 	// an endpoint without keys.
 	Key string
@@ -141,6 +149,10 @@ type pending struct {
 	k      *keyState
 	kgen   uint64
 	kprobe bool
+	blocks int // prompt blocks counted in e.active
+	// uncached is this request's share of e.backlog until it starts.
+	uncached int
+	started  bool
 }
 
 // Begin starts the scheduling of one request.
@@ -235,12 +247,16 @@ func (a *Attempt) Pick() (Choice, error) {
 		}
 	}
 	var e *endpoint
+	cached := 0
 	switch s.cfg.Policy {
 	case PolicySticky:
 		if mapped != nil {
 			if ok, avoid := a.admit(mapped, now, true); ok && !avoid && !s.engineSaturated(mapped) {
 				e = mapped
 			}
+		}
+		if e == nil && len(a.req.Prefix) > 0 {
+			e, cached = a.pickPrefix(g, now)
 		}
 		if e == nil {
 			e = a.pickScored(g, now)
@@ -253,12 +269,18 @@ func (a *Attempt) Pick() (Choice, error) {
 		e = a.pickLeastLoaded(g, now)
 	case PolicyConsistentHash:
 		e = a.pickHash(g, now)
+	case PolicyPrefixHash:
+		e = a.pickPrefixHash(g, now)
+	case PolicyDualMap:
+		e = a.pickDualMap(g, now)
+	case PolicySGLang:
+		e, cached = a.pickSGLang(g, now)
 	}
 	if e == nil {
 		return Choice{}, a.unavailable(g, now)
 	}
 
-	c := Choice{EndpointID: e.id, Affinity: AffinityNone}
+	c := Choice{EndpointID: e.id, Affinity: AffinityNone, CachedBlocks: cached}
 	if a.req.SessionKey != "" {
 		c.Affinity = AffinityMiss
 		if e == mapped {
@@ -277,9 +299,21 @@ func (a *Attempt) Pick() (Choice, error) {
 	if a.pending == nil {
 		a.pending = a.pendingBuf[:0]
 	}
-	p := pending{seq: c.seq, e: e, gen: e.brGen, probe: c.Probe}
+	blocks := len(a.req.Prefix)
+	e.active += blocks
+	uncached := blocks - cached
+	e.backlog += uncached
+	p := pending{seq: c.seq, e: e, gen: e.brGen, probe: c.Probe, blocks: blocks, uncached: uncached}
 	c.Key = a.takeKey(&p, now)
 	a.pending = append(a.pending, p)
+	if blocks > 0 && s.cfg.Policy == PolicySticky {
+		if e.ix == nil {
+			e.ix = s.index.endpointIndex(e.id, true)
+		}
+		if e.ix != nil {
+			s.index.recordRoute(e.ix, a.req.Prefix, now)
+		}
+	}
 	return c, nil
 }
 
@@ -322,6 +356,26 @@ func (a *Attempt) unavailable(g *group, now int64) error {
 	return err
 }
 
+// Started tells the scheduler that the request of c has begun answering
+// (its first byte arrived): its prompt is prefilled, so its uncached blocks
+// no longer count as work queued on the endpoint. Calling it is optional
+// (Report releases what it did not) and it may be called at most once per
+// Choice; a Choice not from this attempt is ignored.
+func (a *Attempt) Started(c Choice) {
+	s := a.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i := range a.pending {
+		if p := &a.pending[i]; p.seq == c.seq && c.seq != 0 {
+			if !p.started {
+				p.started = true
+				p.e.backlog -= p.uncached
+			}
+			return
+		}
+	}
+}
+
 // Report records how a picked request ended, releases its slot and returns
 // the outcome's class. It updates the endpoint's latency average, success
 // rate and breaker, the session's affinity, and this attempt's exclusions.
@@ -341,6 +395,10 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 	now := s.now()
 	e.inFlight--
 	s.inFlight--
+	e.active -= p.blocks
+	if !p.started {
+		e.backlog -= p.uncached
+	}
 	w := 1 / s.decayNow(now) // one outcome, in stored units
 	current := p.gen == e.brGen
 	if p.probe && current && e.br == BreakerHalfOpen {

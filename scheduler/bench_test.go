@@ -1,8 +1,10 @@
 package scheduler
 
 import (
+	"encoding/json"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -71,6 +73,41 @@ func BenchmarkPick(b *testing.B) {
 				c, err := a.Pick()
 				if err != nil {
 					b.Fatal(err)
+				}
+				a.Report(c, ok)
+			})
+		})
+	}
+	// A keyless chat request of 32 KiB, hashed (PromptBlocks) and placed
+	// by its prefix: every endpoint holds the system prompt, and a few
+	// hold longer parts of the conversation.
+	for _, n := range []int{16, 1000} {
+		b.Run(fmt.Sprintf("prefix-32KiB/endpoints=%d", n), func(b *testing.B) {
+			s := benchScheduler(b, n)
+			sys := strings.Repeat("You are a careful assistant; answer briefly. ", 80)
+			conv := strings.Repeat("user asks about caches, assistant explains paging. ", 32<<10/51)
+			body, err := json.Marshal(map[string]any{"model": "m", "messages": []map[string]string{
+				{"role": "system", "content": sys}, {"role": "user", "content": conv}}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			chain := PromptBlocks(nil, body, PrefixConfig{})
+			for i := range n {
+				held := len(chain) / 8
+				if i%4 == 0 {
+					held = len(chain) * (i%16 + 1) / 17
+				}
+				s.IndexReset("agent-"+strconv.Itoa(i), chain[:held])
+			}
+			dst := make([]uint64, 0, DefaultMaxBlocks)
+			a := s.Begin(Request{Model: "m"})
+			b.SetBytes(int64(len(body)))
+			measure(b, func() {
+				dst = PromptBlocks(dst[:0], body, PrefixConfig{})
+				a.req.Prefix = dst
+				c, err := a.Pick()
+				if err != nil || c.CachedBlocks == 0 {
+					b.Fatal(err, c.CachedBlocks)
 				}
 				a.Report(c, ok)
 			})

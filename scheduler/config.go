@@ -37,6 +37,20 @@ const (
 	// PolicyConsistentHash hashes the session key onto a ring of virtual
 	// nodes; requests without a session key are placed at random.
 	PolicyConsistentHash
+	// PolicyPrefixHash hashes the request's prefix (its first
+	// prefixKeyBlocks blocks) onto the ring; requests without a prefix are
+	// placed at random. For comparison.
+	PolicyPrefixHash
+	// PolicyDualMap hashes the prefix to two candidates and takes the one
+	// with fewer requests in flight (DualMap). For comparison.
+	PolicyDualMap
+	// PolicySGLang is SGLang's cache-aware router: an approximate tree per
+	// endpoint of the prefixes routed to it; the longest match wins when it
+	// covers more than 30% of the prompt, otherwise the endpoint with the
+	// smallest tree; shortest queue while the load is unbalanced (more than
+	// 64 requests and 1.5 times between the busiest and the idlest). For
+	// comparison.
+	PolicySGLang
 )
 
 var policyNames = [...]string{
@@ -45,6 +59,9 @@ var policyNames = [...]string{
 	PolicyRandom:         "random",
 	PolicyLeastLoaded:    "least-loaded",
 	PolicyConsistentHash: "consistent-hash",
+	PolicyPrefixHash:     "prefix-hash",
+	PolicyDualMap:        "dualmap",
+	PolicySGLang:         "sglang",
 }
 
 // String returns the policy's name as accepted by ParsePolicy.
@@ -56,7 +73,8 @@ func (p Policy) String() string {
 }
 
 // ParsePolicy parses a policy name: "sticky", "round-robin", "random",
-// "least-loaded" or "consistent-hash" (case-insensitive). The empty string
+// "least-loaded", "consistent-hash", "prefix-hash", "dualmap" or "sglang"
+// (case-insensitive). The empty string
 // means PolicySticky.
 func ParsePolicy(s string) (Policy, error) {
 	s = strings.ToLower(strings.TrimSpace(s))

@@ -100,6 +100,37 @@
 // request has no session key. The comparison policies report it the same
 // way.
 //
+// # Prefixes
+//
+// Most clients name no session, so the scheduler also knows which prompt
+// prefixes each endpoint's engine holds. PromptBlocks turns a request body
+// into a chain of block hashes over its canonical prompt (tools, then each
+// message's role and content; a block is 64 tokens approximated as 256
+// bytes; xxhash64 of the text from its start to the block's end, so a hash
+// names its whole prefix and every process agrees; at most 4,096 blocks,
+// no allocation). Agents keep a BlockLRU of what their engine holds,
+// corrected from the engine's cached_tokens, and publish its changes; the
+// Scheduler merges them (IndexReset, IndexApply, IndexDrop, bounded per
+// endpoint) into one index of block -> endpoints with interned holder sets.
+//
+// With the sticky policy, a request with a Prefix and no live session
+// mapping (no key, a new or expired session, or a session whose endpoint
+// cannot take it) is placed by prefix: each admitted endpoint's cost is its
+// prefill backlog (uncached blocks of requests picked and not Started, and
+// the engine's queue), its expected load at the mean request size, and the
+// prompt's blocks after the prefix it holds, weighed up 101 times while the
+// load is even and 4 times once the cache's choice is hot (expected load
+// over 1.5 × the least loaded + 8), so a hot prefix spreads to a second
+// endpoint instead of piling onto one; SGLang's balance rule (64 and 1.5)
+// falls back to the least loaded. The cost is divided by weight and success
+// rate (weight alone in cold start). Equal costs go by rendezvous hashing of
+// the prefix's first blocks, so independent relays place a new prefix alike.
+// Pick records the routed prefix at once (a ring of the last 64, 30 s), so
+// a burst of one new prefix follows the first pick before the agent's
+// update arrives. Choice.CachedBlocks tells how many blocks the chosen
+// endpoint was believed to hold. A request without a Prefix is scored as
+// below.
+//
 // # Score
 //
 // An endpoint that has been sent fewer than Config.ColdStartSamples (20)
@@ -190,7 +221,7 @@
 //
 // # Comparison policies
 //
-// Config.Policy selects the sticky policy (the default) or one of four
+// Config.Policy selects the sticky policy (the default) or one of seven
 // policies that exist to be measured against it. They share everything
 // above except affinity and scoring: the same exclusions, avoidance,
 // breaker, capacity and in-flight accounting, and the same session table
@@ -201,6 +232,14 @@
 // PolicyConsistentHash hashes the session key (FNV-1a) onto a ring of
 // Config.VirtualNodes points per unit of weight (100) and walks clockwise to
 // the first admitted endpoint, choosing at random when there is no key.
+// PolicyPrefixHash does the same with the hash of the prefix's first 16
+// blocks; PolicyDualMap takes the two endpoints of highest rendezvous hash
+// with that prefix and the one with fewer requests in flight; PolicySGLang
+// is SGLang's cache-aware router over an approximate per-endpoint tree (a
+// BlockLRU of the prefixes routed there, 16 MiB of text): the longest match
+// if it covers over 30% of the prompt, otherwise the endpoint with the
+// smallest tree, and the shortest queue while the load is unbalanced (64
+// and 1.5).
 //
 // # Priority tiers
 //

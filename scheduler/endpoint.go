@@ -105,6 +105,9 @@ type EndpointStatus struct {
 	ColdStart bool
 	// Score is the sticky policy's score right now.
 	Score float64
+	// Backlog is the uncached prefix blocks of requests picked and not yet
+	// started: the prefill work believed queued on the endpoint.
+	Backlog int
 	// Priority is the endpoint's tier (0 first).
 	Priority int
 	// Keys is the state of each of the endpoint's keys, in Endpoint.Keys
@@ -134,6 +137,13 @@ type endpoint struct {
 	good, bad float64 // success rate: successes vs failures and dead keys
 	health    Health
 	id        string
+	idHash    uint64    // hashString(id), for rendezvous placement
+	ix        *epIndex  // its entries in the prefix index; nil when none
+	active    int       // prompt blocks of its requests in flight
+	tree      *BlockLRU // PolicySGLang's approximate tree of what it holds
+	// backlog is the prefill work waiting here: the uncached prefix blocks
+	// of requests picked and not yet started (see Attempt.Started).
+	backlog int
 
 	models      []string // sorted, no duplicates
 	brOK, brBad float64  // failure-rate rule: successes vs endpoint failures

@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"fmt"
 	"context"
 	"errors"
 	"slices"
@@ -26,7 +27,7 @@ func FuzzPick(f *testing.F) {
 		if len(data) == 0 || len(data) > 512 {
 			return
 		}
-		fz := newFuzzer(t, Policy(data[0]%5))
+		fz := newFuzzer(t, Policy(data[0]%8))
 		for i := 1; i < len(data); i++ {
 			fz.step(data[i], data[(i+1)%len(data)])
 		}
@@ -96,6 +97,11 @@ func (fz *fuzzer) step(b, arg byte) {
 			}
 			if k := arg >> 5; k != 0 {
 				r.SessionKey = fuzzKeys[k]
+			}
+			if arg&0x08 != 0 {
+				// A prompt prefix, some of it published by an endpoint.
+				r.Prefix = []uint64{1, 2, 3, uint64(arg)}
+				fz.s.IndexApply(fmt.Sprint("e", arg%4), r.Prefix[:arg%4], nil)
 			}
 			fz.attempts = append(fz.attempts, &fuzzAttempt{a: fz.s.Begin(r)})
 		}

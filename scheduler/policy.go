@@ -168,10 +168,14 @@ func (a *Attempt) pickHash(g *group, now int64) *endpoint {
 	if a.req.SessionKey == "" {
 		return a.pickRandom(g, now)
 	}
+	return a.walkRing(g, now, hashString(a.req.SessionKey))
+}
+
+// walkRing returns the first admitted endpoint clockwise from h.
+func (a *Attempt) walkRing(g *group, now int64, h uint64) *endpoint {
 	if g.ringDirty {
 		a.s.buildRing(g)
 	}
-	h := hashString(a.req.SessionKey)
 	start, _ := slices.BinarySearchFunc(g.ring, h, func(p ringPoint, h uint64) int {
 		switch {
 		case p.hash < h:
@@ -219,4 +223,93 @@ func mix64(z uint64) uint64 {
 	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
 	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
 	return z ^ (z >> 31)
+}
+
+// prefixKeyBlocks is how many leading blocks name a prefix for the
+// prefix-hash and dualmap policies: 16 blocks of 64 tokens, about the first
+// 1,000 tokens.
+const prefixKeyBlocks = 16
+
+func prefixKey(chain []uint64) uint64 { return mix64(chain[min(prefixKeyBlocks, len(chain))-1]) }
+
+// pickPrefixHash walks the ring from the prefix's hash.
+func (a *Attempt) pickPrefixHash(g *group, now int64) *endpoint {
+	if len(a.req.Prefix) == 0 {
+		return a.pickRandom(g, now)
+	}
+	return a.walkRing(g, now, prefixKey(a.req.Prefix))
+}
+
+// pickDualMap takes the two admitted endpoints of highest rendezvous hash
+// with the prefix and returns the one with fewer requests in flight (the
+// first on a tie).
+func (a *Attempt) pickDualMap(g *group, now int64) *endpoint {
+	if len(a.req.Prefix) == 0 {
+		return a.pickRandom(g, now)
+	}
+	key := prefixKey(a.req.Prefix)
+	var c1, c2 *endpoint
+	var h1, h2 uint64
+	for _, e := range g.eps {
+		if ok, _ := a.admit(e, now, false); !ok {
+			continue
+		}
+		switch h := mix64(key ^ e.idHash); {
+		case c1 == nil || h > h1:
+			c1, c2, h1, h2 = e, c1, h, h1
+		case c2 == nil || h > h2:
+			c2, h2 = e, h
+		}
+	}
+	if c2 != nil && c2.inFlight < c1.inFlight {
+		return c2
+	}
+	return c1
+}
+
+// SGLang's defaults: cache_threshold, and max_tree_size in characters.
+const (
+	sglangCacheThreshold = 0.3
+	sglangTreeBytes      = 1 << 24
+)
+
+// pickSGLang is SGLang's cache-aware policy over approximate per-endpoint
+// trees, kept as block LRUs of the prefixes routed to each endpoint (block
+// granularity instead of characters).
+func (a *Attempt) pickSGLang(g *group, now int64) (*endpoint, int) {
+	chain := a.req.Prefix
+	minLoad, maxLoad := -1, 0
+	var shortest, matched, smallest *endpoint
+	bestMatch := 0
+	for _, e := range g.eps {
+		if ok, _ := a.admit(e, now, false); !ok {
+			continue
+		}
+		if e.tree == nil {
+			e.tree = NewBlockLRU(sglangTreeBytes / PrefixConfig{}.BlockBytes())
+		}
+		if minLoad < 0 || e.inFlight < minLoad {
+			minLoad, shortest = e.inFlight, e
+		}
+		maxLoad = max(maxLoad, e.inFlight)
+		if m := e.tree.Lookup(chain); m > bestMatch {
+			bestMatch, matched = m, e
+		}
+		if smallest == nil || e.tree.Len() < smallest.tree.Len() {
+			smallest = e
+		}
+	}
+	if shortest == nil {
+		return nil, 0
+	}
+	e := smallest
+	switch {
+	case maxLoad-minLoad > balanceAbs && float64(maxLoad) > balanceRel*float64(minLoad):
+		e = shortest
+	case matched != nil && float64(bestMatch) > sglangCacheThreshold*float64(len(chain)):
+		e = matched
+	}
+	cached := e.tree.Lookup(chain)
+	e.tree.Insert(chain, nil, nil)
+	return e, cached
 }

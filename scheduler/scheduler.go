@@ -27,6 +27,8 @@ type Scheduler struct {
 	rng       *rand.Rand
 	seq       uint64 // numbers choices, so a Report is matched to its Pick
 	inFlight  int    // picks not yet reported, over all endpoints
+	index     *prefixIndex
+	pickGen   uint64 // numbers prefix picks, stamping overlap scratch
 
 	// Decayed counts are stored in units that make decay one shared
 	// factor: an outcome at time t adds 2^((t-decayBase)/halfLife), and a
@@ -101,6 +103,7 @@ func New(cfg Config) (*Scheduler, error) {
 		groups:      make(map[string]*group),
 		sessions:    newSessionTable(int64(cfg.SessionTTL), cfg.MaxSessions),
 		rng:         rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)),
+		index:       newPrefixIndex(),
 	}
 	return s, nil
 }
@@ -124,7 +127,7 @@ func (s *Scheduler) Upsert(ep Endpoint) {
 	defer s.mu.Unlock()
 	e := s.endpoints[ep.ID]
 	if e == nil {
-		e = &endpoint{id: ep.ID}
+		e = &endpoint{id: ep.ID, idHash: hashString(ep.ID), ix: s.index.byID[ep.ID]}
 		s.endpoints[ep.ID] = e
 	} else {
 		for _, m := range e.models {
@@ -199,6 +202,8 @@ func (s *Scheduler) Remove(id string) {
 		s.leave(m, e)
 	}
 	delete(s.endpoints, id)
+	s.indexDrop(id)
+	e.ix = nil
 	// Sessions notice the flag on their next lookup or purge; a scan of a
 	// million sessions under the lock is what this avoids.
 	e.removed = true
@@ -269,6 +274,7 @@ func (s *Scheduler) Snapshot() []EndpointStatus {
 			Breaker:      e.breakerState(now),
 			ColdStart:    e.requests < s.coldStart,
 			Score:        s.score(e, sc),
+			Backlog:      e.backlog,
 			Priority:     e.priority,
 			Keys:         s.keyStatus(e, now),
 		}

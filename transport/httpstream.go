@@ -64,6 +64,9 @@ func PeerFromContext(ctx context.Context) (peer.ID, bool) {
 // been consumed; reading it first makes a client's cancellation (a stream
 // reset) end the request's context at once, whatever the handler does.
 // OpenAI request bodies are complete JSON documents, so nothing is lost.
+//
+// Every request is acknowledged with AckStatus as soon as its header is read,
+// before its body and before handler runs (see WithAck).
 func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (io.Closer, error) {
 	if allow == nil {
 		allow = func(peer.ID) bool { return false }
@@ -104,6 +107,7 @@ func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (io.
 
 func bufferBody(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ack(w) // before the body: the client's liveness bound ignores its size
 		if r.Body != nil && r.Body != http.NoBody {
 			b, err := io.ReadAll(http.MaxBytesReader(w, r.Body, MaxRequestBody))
 			if err != nil {

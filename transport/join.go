@@ -238,6 +238,12 @@ func (js *JoinServer) handle(s network.Stream) {
 		// the handler sees Left before Joined.
 		_ = old.s.Reset()
 		<-old.done
+		if c := old.s.Conn(); c != s.Conn() {
+			// It joins on a new connection: the old one is dead (a
+			// restarted process, a new network) and would otherwise carry
+			// new streams into the void until its idle timeout.
+			_ = c.Close()
+		}
 	}
 	defer func() {
 		js.mu.Lock()

@@ -1,11 +1,11 @@
 // Package relaytest runs a whole ComputeFlux cluster in one process for
 // tests, benchmarks and demos: simulated engines, one agent per engine and
-// a relay, all real: the agents are libp2p hosts that join the relay over
-// QUIC on 127.0.0.1 and serve inference streams, the engines and the relay
-// serve real HTTP on loopback ports. Faults are injected the way they
-// happen: an agent is killed by closing its host without leaving, the
-// relay restarts on the same identity and ports, an engine slows down, an
-// engine and its agent join mid-run.
+// a relay, all real: the agents are package agent's, joined to the relay
+// over QUIC on 127.0.0.1 with gossip, the engines and the relay serve real
+// HTTP on loopback ports. Faults are injected the way they happen: an agent
+// is killed by dropping every packet of its host (no goodbye reaches
+// anyone), the relay restarts on the same identity and ports, an engine
+// slows down, an engine and its agent join mid-run.
 package relaytest
 
 import (
@@ -14,25 +14,25 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"net"
-	"net/http"
-	"net/http/httputil"
-	"net/url"
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
-	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p"
+	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/libp2p/go-libp2p/p2p/transport/quicreuse"
 	"github.com/multiformats/go-multiaddr"
+	"github.com/quic-go/quic-go"
 	"github.com/rs/zerolog"
 
+	agentpkg "github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/scheduler"
-	"github.com/computeflux/computeflux/transport"
 )
 
 // Defaults for the zero values of Config.
@@ -127,18 +127,18 @@ type Engine struct {
 	engDone chan error
 	idFile  string
 
-	mu    sync.Mutex // guards agent
-	agent *agent
+	mu     sync.Mutex // guards agent and killed
+	agent  *agent
+	killed chan struct{} // a killed agent's done, until a restart waited for it
 }
 
-// agent is the node side for one engine: a libp2p host that serves
-// inference streams from the relay only, proxied to the engine, and keeps
-// itself joined to the relay (rejoining after a relay restart).
+// agent is package agent's Agent serving one engine, its packets through
+// a filter that KillAgent closes.
 type agent struct {
-	h      host.Host
-	srv    io.Closer
+	a      *agentpkg.Agent
+	pf     *packetFilter
 	cancel context.CancelFunc
-	done   chan struct{}
+	done   chan struct{} // closed when Run returned
 }
 
 // Start starts engines, agents and a relay, and returns once every agent
@@ -279,7 +279,7 @@ func (c *Cluster) RestartRelay(ctx context.Context) error {
 		if a == nil {
 			continue
 		}
-		if err := c.waitJoined(ctx, e.Name, a.h.ID()); err != nil {
+		if err := c.waitJoined(ctx, e.Name, a.a.ID()); err != nil {
 			return err
 		}
 	}
@@ -322,23 +322,37 @@ func (c *Cluster) AddEngine(ctx context.Context) (int, error) {
 	return i, nil
 }
 
-// KillAgent closes engine i's agent host without leaving the relay first,
-// as when the agent's machine loses power; the engine keeps running with
-// its cache. It is a no-op when the agent is not running.
+// KillAgent silences engine i's agent without a goodbye, as when its
+// machine loses power or its network: every packet of its host is dropped
+// from now on, both ways, then the agent is stopped behind that black hole
+// (its leave and its connection close never reach anyone). The engine keeps
+// running with its cache. It is a no-op when the agent is not running.
 func (c *Cluster) KillAgent(i int) error {
 	e := c.Engine(i)
 	e.mu.Lock()
 	a := e.agent
 	e.agent = nil
+	if a != nil {
+		e.killed = a.done
+	}
 	e.mu.Unlock()
 	if a == nil {
 		return nil
 	}
-	// Close first, so the supervisor cannot leave politely.
-	err := errors.Join(a.srv.Close(), a.h.Close())
+	a.pf.dropped.Store(true)
 	a.cancel()
-	<-a.done
-	return err
+	return nil
+}
+
+// Agent returns engine i's running agent, or nil when it is not running.
+func (c *Cluster) Agent(i int) *agentpkg.Agent {
+	e := c.Engine(i)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.agent == nil {
+		return nil
+	}
+	return e.agent.a
 }
 
 // RestartAgent starts engine i's agent again, on the same identity, and
@@ -367,12 +381,15 @@ func (c *Cluster) Close() error {
 	for i := range engines {
 		e := engines[i]
 		e.mu.Lock()
-		a := e.agent
-		e.agent = nil
+		a, killed := e.agent, e.killed
+		e.agent, e.killed = nil, nil
 		e.mu.Unlock()
 		if a != nil {
 			a.cancel()
-			<-a.done // the supervisor leaves the relay and closes the host
+			<-a.done // the agent drains, leaves the relay and closes its host
+		}
+		if killed != nil {
+			<-killed
 		}
 	}
 	c.stopRelay()
@@ -420,75 +437,136 @@ func (e *Engine) startAgent(ctx context.Context) error {
 		e.mu.Unlock()
 		return nil
 	}
-	h, err := transport.NewHost(transport.HostConfig{
-		ListenAddrs:  []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
-		IdentityFile: e.idFile,
+	if prev := e.killed; prev != nil {
+		// A killed agent's Run is still ending behind its black hole;
+		// the new one takes the same identity.
+		e.mu.Unlock()
+		<-prev
+		e.mu.Lock()
+		e.killed = nil
+	}
+	ri := e.c.relayInfo()
+	addrs, err := peer.AddrInfoToP2pAddrs(&ri)
+	if err != nil || len(addrs) == 0 {
+		e.mu.Unlock()
+		return fmt.Errorf("relaytest: relay address: %v", err)
+	}
+	pf := &packetFilter{}
+	a, err := agentpkg.New(agentpkg.Config{
+		Relay:          addrs[0].String(),
+		Token:          string(e.c.cfg.Token),
+		Upstream:       e.Server.URL(),
+		Name:           e.Name,
+		MaxConcurrency: e.c.cfg.Capacity,
+		IdentityFile:   e.idFile,
+		ListenAddrs:    []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
+		HostOptions: []libp2p.Option{
+			// Every packet of the agent's host goes through pf, so that
+			// KillAgent can silence it.
+			libp2p.QUICReuse(pf.connManager),
+		},
+		Logger:       e.c.cfg.Logger,
+		MinBackoff:   50 * time.Millisecond,
+		MaxBackoff:   time.Second,
+		DrainTimeout: 2 * time.Second,
 	})
 	if err != nil {
 		e.mu.Unlock()
-		return fmt.Errorf("relaytest: agent host: %w", err)
-	}
-	u, err := url.Parse(e.Server.URL())
-	if err != nil {
-		e.mu.Unlock()
-		_ = h.Close()
-		return fmt.Errorf("relaytest: engine url: %w", err)
-	}
-	proxy := httputil.NewSingleHostReverseProxy(u)
-	proxy.FlushInterval = -1 // stream every chunk as it comes
-	proxy.ErrorLog = nil
-	proxy.Transport = &http.Transport{MaxIdleConnsPerHost: 256, IdleConnTimeout: 30 * time.Second}
-	relayID := e.c.relayInfo().ID
-	srv, err := transport.ServeHTTP(h, proxy, func(p peer.ID) bool { return p == relayID })
-	if err != nil {
-		e.mu.Unlock()
-		_ = h.Close()
-		return fmt.Errorf("relaytest: agent serve: %w", err)
+		return fmt.Errorf("relaytest: agent: %w", err)
 	}
 	actx, cancel := context.WithCancel(context.Background())
-	a := &agent{h: h, srv: srv, cancel: cancel, done: make(chan struct{})}
-	e.agent = a
+	ra := &agent{a: a, pf: pf, cancel: cancel, done: make(chan struct{})}
+	e.agent = ra
 	e.mu.Unlock()
-	go e.supervise(actx, a, proxy.Transport.(*http.Transport))
-	return e.c.waitJoined(ctx, e.Name, h.ID())
+	go func() {
+		defer close(ra.done)
+		defer pf.close() // libp2p closes only the QUIC sockets it made itself
+		if err := a.Run(actx); err != nil {
+			e.c.log.Warn().Str("agent", e.Name).Err(err).Msg("agent stopped")
+		}
+	}()
+	return e.c.waitJoined(ctx, e.Name, a.ID())
 }
 
-// supervise keeps a joined to the relay until ctx ends: it joins, waits for
-// the registration to end (relay restart or lost connection), and joins
-// again after a short pause. On ctx's end it leaves and closes the host
-// unless KillAgent already closed it.
-func (e *Engine) supervise(ctx context.Context, a *agent, tr *http.Transport) {
-	defer close(a.done)
-	defer tr.CloseIdleConnections()
-	info := transport.JoinInfo{Name: e.Name, Models: e.Server.Config().Models, Capacity: e.c.cfg.Capacity}
-	backoff := 50 * time.Millisecond
-	for ctx.Err() == nil {
-		ri := e.c.relayInfo()
-		jctx, cancel := context.WithTimeout(ctx, e.c.cfg.JoinTimeout)
-		err := a.h.Connect(jctx, ri)
-		var m *transport.Membership
-		if err == nil {
-			m, err = transport.Join(jctx, a.h, ri.ID, e.c.cfg.Token, info)
-		}
-		cancel()
-		if err == nil {
-			backoff = 50 * time.Millisecond
-			select {
-			case <-m.Done():
-				continue
-			case <-ctx.Done():
-				_ = m.Close()
+// packetFilter hands the agent's host its UDP sockets and can drop every
+// packet they carry, both ways, as a dead machine or a cut cable does.
+type packetFilter struct {
+	dropped atomic.Bool
+	cm      *quicreuse.ConnManager // set by connManager while the host is built
+}
+
+// connManager builds the QUIC socket manager of the agent's host as libp2p's
+// default does (resource manager admission, source address checks), with
+// its sockets from listen.
+func (f *packetFilter) connManager(key quic.StatelessResetKey, tok quic.TokenGeneratorKey, rcmgr network.ResourceManager) (*quicreuse.ConnManager, error) {
+	cm, err := quicreuse.NewConnManager(key, tok,
+		quicreuse.OverrideListenUDP(f.listen),
+		quicreuse.ConnContext(func(ctx context.Context, ci *quic.ClientInfo) (context.Context, error) {
+			addr, err := quicreuse.ToQuicMultiaddr(ci.RemoteAddr, quic.Version1)
+			if err != nil {
+				addr = nil
 			}
-			break
-		}
-		e.c.log.Debug().Str("agent", e.Name).Err(err).Msg("join failed; retrying")
-		select {
-		case <-ctx.Done():
-		case <-time.After(backoff):
-			backoff = min(2*backoff, time.Second)
+			scope, err := rcmgr.OpenConnection(network.DirInbound, false, addr)
+			if err != nil {
+				return ctx, err
+			}
+			ctx = network.WithConnManagementScope(ctx, scope)
+			context.AfterFunc(ctx, scope.Done)
+			return ctx, nil
+		}),
+		quicreuse.VerifySourceAddress(rcmgr.VerifySourceAddress),
+	)
+	f.cm = cm
+	return cm, err
+}
+
+// close closes the socket manager once the host is closed.
+func (f *packetFilter) close() {
+	if f.cm != nil {
+		_ = f.cm.Close()
+	}
+}
+
+func (f *packetFilter) listen(network string, laddr *net.UDPAddr) (net.PacketConn, error) {
+	c, err := net.ListenUDP(network, laddr)
+	if err != nil {
+		return nil, err
+	}
+	return &filteredConn{PacketConn: c, f: f}, nil
+}
+
+// filteredConn is a UDP socket whose packets vanish once its filter drops.
+// It hides *net.UDPConn's batch and ECN interfaces (its SyscallConn), so
+// quic-go reads and writes packet by packet through it.
+type filteredConn struct {
+	net.PacketConn
+	f *packetFilter
+}
+
+// ReadFrom returns the next packet that is not dropped.
+func (c *filteredConn) ReadFrom(b []byte) (int, net.Addr, error) {
+	for {
+		n, addr, err := c.PacketConn.ReadFrom(b)
+		if err != nil || !c.f.dropped.Load() {
+			return n, addr, err
 		}
 	}
-	// Closing twice is harmless: KillAgent may already have closed both.
-	_ = a.srv.Close()
-	_ = a.h.Close()
+}
+
+// SetReadBuffer sizes the socket's receive buffer.
+func (c *filteredConn) SetReadBuffer(n int) error {
+	return c.PacketConn.(*net.UDPConn).SetReadBuffer(n)
+}
+
+// SetWriteBuffer sizes the socket's send buffer.
+func (c *filteredConn) SetWriteBuffer(n int) error {
+	return c.PacketConn.(*net.UDPConn).SetWriteBuffer(n)
+}
+
+// WriteTo sends b unless the filter drops it (then it pretends to).
+func (c *filteredConn) WriteTo(b []byte, addr net.Addr) (int, error) {
+	if c.f.dropped.Load() {
+		return len(b), nil
+	}
+	return c.PacketConn.WriteTo(b, addr)
 }

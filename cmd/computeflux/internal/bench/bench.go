@@ -105,7 +105,22 @@ const (
 var AllPolicies = []scheduler.Policy{
 	scheduler.PolicySticky, scheduler.PolicyRoundRobin, scheduler.PolicyRandom,
 	scheduler.PolicyLeastLoaded, scheduler.PolicyConsistentHash,
+	scheduler.PolicySGLang, scheduler.PolicyDualMap, scheduler.PolicyPrefixHash,
 }
+
+// Key modes: whether clients name their sessions.
+const (
+	// KeysAuto: chat sends its session keys, a trace replay sends none.
+	KeysAuto = ""
+	// KeysWith: every request carries its session's key (a trace replay
+	// infers sessions: a request that extends an earlier one's blocks is
+	// its next turn).
+	KeysWith = "with"
+	// KeysWithout: no request carries a key, as most clients send.
+	KeysWithout = "without"
+	// KeysBoth runs every policy both ways, side by side.
+	KeysBoth = "both"
+)
 
 // Config configures a benchmark. The zero value of every field means the
 // default in its comment.
@@ -149,6 +164,14 @@ type Config struct {
 	MaxAttempts int
 	// Scheduler tunes the scheduler; Policy, Clock and Seed are set per run.
 	Scheduler scheduler.Config
+	// Keys says whether clients send session keys: KeysAuto (default),
+	// KeysWith, KeysWithout or KeysBoth.
+	Keys string
+	// Prefix cuts prompts into blocks as the relay does (sim mode): the
+	// relay's request prefixes and the agents' indexes use it.
+	Prefix scheduler.PrefixConfig
+	// NoPooled skips the pooled bound's extra simulation.
+	NoPooled bool
 	// Relays is the number of relays requests are spread over at random
 	// (sim: one scheduler per relay sharing bindings as relays do; live:
 	// real relays and package agents, every agent joined to all, steady
@@ -172,6 +195,8 @@ type Config struct {
 	// nil means none. ProgressEvery defaults to 5 s.
 	Progress      io.Writer
 	ProgressEvery time.Duration
+
+	prefixes bool // sim: compute the relay's request prefixes
 }
 
 func (c *Config) populate() {
@@ -220,6 +245,7 @@ func (c *Config) populate() {
 	if c.ProgressEvery == 0 {
 		c.ProgressEvery = 5 * time.Second
 	}
+	c.prefixes = true
 }
 
 func (c *Config) validate() error {
@@ -236,6 +262,11 @@ func (c *Config) validate() error {
 	}
 	if c.Scenario == ScenarioSkew && c.TracePath != "" {
 		errs = append(errs, errors.New("the skew scenario shapes the chat workload; it does not apply to a trace"))
+	}
+	switch c.Keys {
+	case KeysAuto, KeysWith, KeysWithout, KeysBoth:
+	default:
+		errs = append(errs, fmt.Errorf("keys %q: want with, without or both", c.Keys))
 	}
 	if c.Duration < 0 || c.MaxRequests < 0 || c.Capacity < 0 || c.MaxAttempts < 1 {
 		errs = append(errs, errors.New("duration, requests and capacity must not be negative; max attempts at least 1"))
@@ -255,10 +286,41 @@ func (c *Config) validate() error {
 	return nil
 }
 
-// Workload builds the workload cfg describes (after defaults).
+// Workload builds the workload cfg describes (after defaults), with the
+// session keys cfg.Keys says (KeysBoth: with keys).
 func (c *Config) Workload() (*Workload, error) {
+	ws, err := c.workloads()
+	if err != nil {
+		return nil, err
+	}
+	return ws[0].w, nil
+}
+
+// keyed is one variant of a workload.
+type keyed struct {
+	w       *Workload
+	keyless bool
+}
+
+// workloads returns the workload in each key mode to run.
+func (c *Config) workloads() ([]keyed, error) {
+	with, without := c.Keys == KeysWith || c.Keys == KeysBoth, c.Keys == KeysWithout || c.Keys == KeysBoth
+	if c.Keys == KeysAuto {
+		with, without = c.TracePath == "" && !c.Keyless, c.TracePath != "" || c.Keyless
+	}
+	var out []keyed
 	if c.TracePath == "" {
-		return Chat(c.Chat, c.Seed)
+		w, err := Chat(c.Chat, c.Seed)
+		if err != nil {
+			return nil, err
+		}
+		if with {
+			out = append(out, keyed{w, false})
+		}
+		if without {
+			out = append(out, keyed{w.WithoutKeys(), true})
+		}
+		return out, nil
 	}
 	f, err := os.Open(c.TracePath)
 	if err != nil {
@@ -269,7 +331,19 @@ func (c *Config) Workload() (*Workload, error) {
 	if err != nil {
 		return nil, err
 	}
-	return TraceWorkload(recs, c.Trace, c.Seed)
+	for _, keyless := range []bool{false, true} {
+		if (keyless && !without) || (!keyless && !with) {
+			continue
+		}
+		tc := c.Trace
+		tc.Keyless = keyless
+		w, err := TraceWorkload(recs, tc, c.Seed)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, keyed{w, keyless})
+	}
+	return out, nil
 }
 
 // Run builds the workload and runs every policy on it, each on a fresh
@@ -279,50 +353,114 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	w, err := cfg.Workload()
+	ws, err := cfg.workloads()
 	if err != nil {
 		return nil, err
 	}
+	w := ws[0].w
 	rp := &Report{
 		Mode: cfg.Mode, Scenario: cfg.Scenario.String(), Workload: w.Name, Engines: cfg.Engines,
 		Sessions: len(w.Sessions), Turns: w.Requests(), Seed: cfg.Seed,
 		Oracle: Oracle(w, cfg.Engine.BlockSize),
 	}
+	for _, k := range ws {
+		if k.keyless {
+			rp.Keys = append(rp.Keys, "without")
+			rp.Sessions = len(k.w.Sessions) // as the scheduler sees them: none inferred
+		} else {
+			rp.Keys = append(rp.Keys, "with")
+		}
+	}
 	if cfg.Mode == ModeLive {
 		rp.TimeScale = cfg.TimeScale
 	}
-	rp.Results = make([]Result, len(cfg.Policies))
-	errs := make([]error, len(cfg.Policies))
+	type job struct {
+		w     *Workload
+		p     scheduler.Policy
+		label string
+	}
+	var jobs []job
+	for _, k := range ws {
+		for _, p := range cfg.Policies {
+			label := p.String()
+			if len(ws) > 1 {
+				label += map[bool]string{false: "/keys", true: "/no-keys"}[k.keyless]
+			}
+			jobs = append(jobs, job{k.w, p, label})
+		}
+	}
+	rp.Results = make([]Result, len(jobs))
+	errs := make([]error, len(jobs))
 	run := func(i int) {
-		p := cfg.Policies[i]
+		j := jobs[i]
 		var err error
 		if cfg.Mode == ModeSim {
-			rp.Results[i], err = runSim(ctx, &cfg, w, p)
+			rp.Results[i], err = runSim(ctx, &cfg, j.w, j.p)
 		} else {
-			rp.Results[i], err = runLive(ctx, &cfg, w, p)
+			rp.Results[i], err = runLive(ctx, &cfg, j.w, j.p)
 		}
+		rp.Results[i].Policy = j.label
 		if err != nil {
-			errs[i] = fmt.Errorf("bench: %s: %w", p, err)
+			errs[i] = fmt.Errorf("bench: %s: %w", j.label, err)
 		} else if cfg.Progress != nil {
 			fmt.Fprintf(cfg.Progress, "bench %s %s %s: %d requests in %s\n",
-				cfg.Mode, p, cfg.Scenario, rp.Results[i].Requests, rp.Results[i].Wall.Round(time.Millisecond))
+				cfg.Mode, j.label, cfg.Scenario, rp.Results[i].Requests, rp.Results[i].Wall.Round(time.Millisecond))
 		}
 	}
 	if cfg.Parallel && cfg.Mode == ModeLive {
 		var wg sync.WaitGroup
-		for i := range cfg.Policies {
+		for i := range jobs {
 			wg.Go(func() { run(i) })
 		}
 		wg.Wait()
 	} else {
-		for i := range cfg.Policies {
+		for i := range jobs {
 			if run(i); errs[i] != nil {
 				break
 			}
+		}
+	}
+	if !cfg.NoPooled && errors.Join(errs...) == nil {
+		if p, err := pooledBound(ctx, &cfg, w); err != nil {
+			errs = append(errs, fmt.Errorf("bench: pooled bound: %w", err))
+		} else {
+			rp.Pooled = p
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		return rp, err
 	}
 	return rp, nil
+}
+
+// pooledBound simulates one engine whose cache, batch, queue and prompt
+// throughput are those of all cfg.Engines together, in arrival order: the
+// hit ratio no placement over the separate engines can beat except by luck
+// of eviction order.
+func pooledBound(ctx context.Context, cfg *Config, w *Workload) (float64, error) {
+	c := *cfg
+	n := c.Engines
+	c.Engines = 1
+	c.Scenario = ScenarioSteady
+	c.prefixes = false
+	ec := &c.Engine
+	ec.CacheBlocks = n * orDefault(ec.CacheBlocks, simengine.DefaultCacheBlocks)
+	ec.MaxRunning = n * orDefault(ec.MaxRunning, simengine.DefaultMaxRunning)
+	ec.MaxQueue = n * orDefault(ec.MaxQueue, simengine.DefaultMaxQueue)
+	if ec.PrefillTokensPerSec == 0 {
+		ec.PrefillTokensPerSec = simengine.DefaultPrefillTokensPerSec
+	}
+	ec.PrefillTokensPerSec *= float64(n)
+	res, err := runSim(ctx, &c, w, scheduler.PolicyRoundRobin)
+	if err != nil {
+		return 0, err
+	}
+	return res.HitRatio, nil
+}
+
+func orDefault(v, d int) int {
+	if v == 0 {
+		return d
+	}
+	return v
 }

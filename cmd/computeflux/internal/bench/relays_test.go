@@ -16,9 +16,12 @@ func TestSimRelaysShareBindings(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	run := func(relays int, delay time.Duration) Result {
+	run := func(relays int, delay time.Duration, prefixes bool) Result {
 		t.Helper()
 		cfg := simConfig(Config{Engines: 4, Relays: relays, PeerDelay: delay, Seed: 3})
+		// Without prompt prefixes, so that only the bindings tell relays
+		// where a session is; with them, the agents' published indexes do.
+		cfg.prefixes = prefixes
 		res, err := runSim(context.Background(), cfg, w, scheduler.PolicySticky)
 		if err != nil {
 			t.Fatal(err)
@@ -28,8 +31,13 @@ func TestSimRelaysShareBindings(t *testing.T) {
 		}
 		return res
 	}
-	one, four := run(1, 0), run(4, 0)
-	isolated := run(4, 1000*time.Hour) // bindings arrive after the run
+	one, four := run(1, 0, false), run(4, 0, false)
+	isolated := run(4, 1000*time.Hour, false) // bindings arrive after the run
+	// With prompt prefixes and the agents' indexes, isolated relays still
+	// find each session's engine.
+	if p := run(4, 1000*time.Hour, true); p.HitRatio < 0.98*four.HitRatio {
+		t.Errorf("isolated relays with prefixes hit %.3f, below 98%% of sharing relays' %.3f", p.HitRatio, four.HitRatio)
+	}
 	t.Logf("hit: one relay %.1f%%, four sharing %.1f%% (%d updates, %.0f B/s per relay), four isolated %.1f%%",
 		100*one.HitRatio, 100*four.HitRatio, four.BindingUpdates, four.BindingBytesPerSec, 100*isolated.HitRatio)
 	if four.HitRatio < 0.98*one.HitRatio {

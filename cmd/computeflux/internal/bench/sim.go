@@ -2,9 +2,11 @@ package bench
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/computeflux/computeflux/agent/simengine"
@@ -32,7 +34,12 @@ const (
 	evSend uint8 = iota
 	evEngine
 	evAction
+	evPublish
 )
+
+// PublishDelay is how long a simulated agent's index update takes to reach
+// the relay: it batches changes and sends them over its stream.
+const PublishDelay = 100 * time.Millisecond
 
 // simQueue is a binary min-heap of events by (at, seq), typed to avoid
 // boxing every event in an interface.
@@ -89,13 +96,31 @@ type simEngine struct {
 	gen    uint64
 	up     bool                // registered with the scheduler
 	flight map[uint64]*simCall // requests on it by engine request ID
+	// The agent's picture of its engine's cache, and the changes it has
+	// not yet published to the relay.
+	lru       *scheduler.BlockLRU
+	deltas    []indexDelta
+	publishAt bool // a publish event is on the calendar
+	// The agent sizes its LRU from the engine's capacity in tokens and the
+	// bytes per token it measures on its traffic (prompt text over the
+	// engine's prompt_tokens), once it has seen calibrateAfter answers.
+	sizedBytes, sizedTokens int64
+	sizedN                  int
 }
+
+// calibrateAfter is how many answers an agent measures before it sizes its
+// index from the bytes per token it saw.
+const calibrateAfter = 32
+
+// indexDelta is one change an agent publishes.
+type indexDelta struct{ added, evicted []uint64 }
 
 // simSession is a session's client state.
 type simSession struct {
 	turn   int
 	tokens []simengine.Token
 	hashes []simengine.BlockHash
+	msgs   []message // what the client sends: the relay hashes it
 	done   bool
 }
 
@@ -114,6 +139,7 @@ type simCall struct {
 	first      bool
 	firstAt    time.Time
 	decision   time.Duration
+	prefix     []uint64 // the relay's PromptBlocks of the request body
 }
 
 // simRun is one policy's discrete-event simulation.
@@ -139,6 +165,9 @@ type simRun struct {
 	// sysTokens is the tokenized system prompt and first "user" header,
 	// shared by all chat sessions' first turns.
 	sysTokens []simengine.Token
+	// index is set when agents publish their caches to the scheduler's
+	// prefix index (the sticky policy).
+	index bool
 }
 
 // runSim simulates one policy on w.
@@ -152,6 +181,7 @@ func runSim(ctx context.Context, cfg *Config, w *Workload, policy scheduler.Poli
 		calls: make(map[uint64]*simCall),
 	}
 	r.start = r.clock.t
+	r.index = policy == scheduler.PolicySticky
 	sc := cfg.Scheduler
 	sc.Policy, sc.Clock, sc.Seed = policy, r.clock, int64(cfg.Seed)|1
 	var err error
@@ -169,6 +199,8 @@ func runSim(ctx context.Context, cfg *Config, w *Workload, policy scheduler.Poli
 			return Result{}, err
 		}
 		e := &simEngine{id: engineName(i), eng: eng, flight: make(map[uint64]*simCall)}
+		ecfg := eng.Config()
+		e.lru = scheduler.NewBlockLRU(ecfg.CacheBlocks * ecfg.BlockSize / scheduler.DefaultBlockTokens)
 		r.engines = append(r.engines, e)
 	}
 	r.byID = make(map[string]int, len(r.engines))
@@ -215,6 +247,8 @@ func runSim(ctx context.Context, cfg *Config, w *Workload, policy scheduler.Poli
 			if e := r.engines[ev.i]; ev.gen == e.gen {
 				r.advance(ev.i)
 			}
+		case evPublish:
+			r.publish(ev.i)
 		case evBind:
 			r.deliver(ev.i)
 		}
@@ -252,10 +286,57 @@ func (r *simRun) setUp(i int, up bool) {
 	for _, s := range r.everyScheduler() {
 		if up {
 			s.Upsert(scheduler.Endpoint{ID: e.id, Models: []string{r.cfg.Model}, Capacity: r.cfg.Capacity})
+			if r.index {
+				// A joining agent publishes a snapshot to every relay;
+				// deltas before it are superseded.
+				s.IndexReset(e.id, e.lru.Snapshot(nil))
+			}
 		} else {
 			s.Remove(e.id)
 		}
 	}
+}
+
+// note queues an index change of engine i's agent for publication.
+func (r *simRun) note(i int, added, evicted []uint64) {
+	if !r.index || len(added)+len(evicted) == 0 {
+		return
+	}
+	e := r.engines[i]
+	e.deltas = append(e.deltas, indexDelta{added, evicted})
+	if !e.publishAt {
+		e.publishAt = true
+		r.push(r.clock.t.Add(PublishDelay), evPublish, i, 0)
+	}
+}
+
+// publish delivers engine i's queued index changes to the relay.
+func (r *simRun) publish(i int) {
+	e := r.engines[i]
+	e.publishAt = false
+	if !e.up {
+		e.deltas = e.deltas[:0]
+		return
+	}
+	for _, s := range r.everyScheduler() {
+		for _, d := range e.deltas {
+			s.IndexApply(e.id, d.added, d.evicted)
+		}
+	}
+	clear(e.deltas)
+	e.deltas = e.deltas[:0]
+}
+
+// requestPrefix is what the relay computes from the request body the
+// client sends: PromptBlocks over the JSON, as the live bench sends it.
+func (r *simRun) requestPrefix(msgs []message, maxTokens int) []uint64 {
+	body := chatRequest{Model: r.cfg.Model, Messages: msgs, Stream: true, MaxTokens: maxTokens}
+	body.StreamOptions.IncludeUsage = true
+	b, err := json.Marshal(&body)
+	if err != nil {
+		return nil
+	}
+	return scheduler.PromptBlocks(nil, b, r.cfg.Prefix)
 }
 
 // act applies a scenario action.
@@ -319,19 +400,30 @@ func (r *simRun) send(si int) {
 		} else {
 			s.tokens = simengine.Tokenize(s.tokens, imEnd+imStart+"user\n")
 		}
-		s.tokens = simengine.Tokenize(s.tokens, simengine.Filler(t.QuestionSeed, t.QuestionTokens)+imEnd+genPrompt)
+		q := simengine.Filler(t.QuestionSeed, t.QuestionTokens)
+		s.tokens = simengine.Tokenize(s.tokens, q+imEnd+genPrompt)
 		s.hashes = simengine.BlockHashes(s.hashes, s.tokens, bs)
+		if s.turn == 0 && r.w.System != "" {
+			s.msgs = append(s.msgs[:0], message{Role: "system", Content: r.w.System})
+		}
+		s.msgs = append(s.msgs, message{Role: "user", Content: q})
 	} else {
 		// Open loop: an earlier turn may still be in flight and holds
 		// its own slices.
-		s.tokens = simengine.Tokenize(nil, render([]message{{Role: "user", Content: traceText(t.Blocks, t.InputTokens)}}))
+		s.msgs = []message{{Role: "user", Content: traceText(t.Blocks, t.InputTokens)}}
+		s.tokens = simengine.Tokenize(nil, render(s.msgs))
 		s.hashes = simengine.BlockHashes(nil, s.tokens, bs)
+	}
+	var prefix []uint64
+	if r.cfg.prefixes {
+		prefix = r.requestPrefix(s.msgs, t.MaxTokens)
 	}
 	r.sent++
 	r.nextID++
 	c := &simCall{
 		sess: si, turn: s.turn, rec: len(r.recs), sent: now,
-		req: &simengine.Request{ID: r.nextID, Tokens: s.tokens, Hashes: s.hashes, MaxTokens: t.MaxTokens},
+		req:    &simengine.Request{ID: r.nextID, Tokens: s.tokens, Hashes: s.hashes, MaxTokens: t.MaxTokens},
+		prefix: prefix,
 	}
 	key := ws.Key
 	if r.cfg.Keyless {
@@ -367,6 +459,12 @@ func (r *simRun) pick(c *simCall) {
 			e.flight[c.req.ID] = c
 			r.calls[c.req.ID] = c
 			r.reschedule(c.eng)
+			if r.index && len(c.prefix) > 0 {
+				// The agent forwards the request: its engine will hold
+				// the prompt.
+				added, evicted := e.lru.Insert(c.prefix, nil, nil)
+				r.note(c.eng, added, evicted)
+			}
 			return
 		}
 		status := http.StatusServiceUnavailable // the engine's queue is full
@@ -401,6 +499,7 @@ func (r *simRun) fail(c *simCall, why string) {
 		r.sess[c.sess].done = true
 		r.sess[c.sess].tokens = nil
 		r.sess[c.sess].hashes = nil
+		r.sess[c.sess].msgs = nil
 	}
 }
 
@@ -418,6 +517,7 @@ func (r *simRun) advance(i int) {
 		switch ev.Kind {
 		case simengine.EventFirstToken:
 			c.first, c.firstAt = true, ev.At
+			c.att.Started(c.choice) // the relay sees the first byte
 			rec.ttft = ev.At.Sub(c.sent)
 			rec.first = c.sent.Sub(r.start)
 		case simengine.EventDone:
@@ -429,14 +529,32 @@ func (r *simRun) advance(i int) {
 			rec.done = ev.At.Sub(r.start)
 			rec.prompt, rec.cached, rec.completion = ev.Usage.PromptTokens, ev.Usage.CachedTokens, ev.Usage.CompletionTokens
 			rec.engine = i
+			if r.index && len(c.prefix) > 0 {
+				// The engine's usage corrects the agent's picture.
+				n := scheduler.CachedBlocks(len(c.prefix), ev.Usage.PromptTokens, ev.Usage.CachedTokens)
+				r.note(i, nil, e.lru.Correct(c.prefix, n, nil))
+				if e.sizedN < calibrateAfter {
+					e.sizedBytes += int64(len(c.prefix)) * int64(r.cfg.Prefix.BlockBytes())
+					e.sizedTokens += int64(ev.Usage.PromptTokens)
+					if e.sizedN++; e.sizedN == calibrateAfter && e.sizedTokens > 0 {
+						ec := e.eng.Config()
+						tokens := float64(ec.CacheBlocks * ec.BlockSize)
+						blocks := tokens * float64(e.sizedBytes) / float64(e.sizedTokens) / float64(r.cfg.Prefix.BlockBytes())
+						r.note(i, nil, e.lru.SetCapacity(int(blocks), nil))
+					}
+				}
+			}
 			s := &r.sess[c.sess]
 			ws := &r.w.Sessions[c.sess]
 			if r.w.Chat {
+				if r.cfg.prefixes {
+					s.msgs = append(s.msgs, message{Role: "assistant", Content: strings.Join(e.eng.AnswerText(c.req), "")})
+				}
 				s.tokens = append(s.tokens, ev.Output...)
 				if s.turn < len(ws.Turns) {
 					r.push(ev.At.Add(ws.Turns[s.turn].Think), evSend, c.sess, 0)
 				} else {
-					s.tokens, s.hashes = nil, nil
+					s.tokens, s.hashes, s.msgs = nil, nil, nil
 				}
 			}
 		}

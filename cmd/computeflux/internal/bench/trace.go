@@ -65,6 +65,9 @@ type TraceConfig struct {
 	Speed float64
 	// MaxOutput caps answer lengths (0: none).
 	MaxOutput int
+	// Keyless makes every request a session of its own with no key: no
+	// sessions are inferred, as a client that names none.
+	Keyless bool
 }
 
 // TraceWorkload turns trace records into an open-loop workload. Sessions
@@ -122,14 +125,18 @@ func TraceWorkload(recs []TraceRecord, cfg TraceConfig, seed uint64) (*Workload,
 		rec := recs[i]
 		full := rec.InputLength / TraceBlockTokens
 		sess := -1
-		for j := min(full, len(rec.HashIDs)) - 1; j >= 0 && sess < 0; j-- {
+		for j := min(full, len(rec.HashIDs)) - 1; j >= 0 && sess < 0 && !cfg.Keyless; j-- {
 			if e, ok := byLast[rec.HashIDs[j]]; ok && e.full == j+1 && e.full < full {
 				sess = e.session
 			}
 		}
 		if sess < 0 {
 			sess = len(w.Sessions)
-			w.Sessions = append(w.Sessions, Session{Key: fmt.Sprintf("t%06d", sess), Start: at[i]})
+			key := fmt.Sprintf("t%06d", sess)
+			if cfg.Keyless {
+				key = ""
+			}
+			w.Sessions = append(w.Sessions, Session{Key: key, Start: at[i]})
 		}
 		if full > 0 {
 			byLast[rec.HashIDs[full-1]] = ends{sess, full}

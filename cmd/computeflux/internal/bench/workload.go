@@ -68,6 +68,16 @@ func (w *Workload) Requests() int {
 	return n
 }
 
+// WithoutKeys returns a copy of w whose sessions send no key.
+func (w *Workload) WithoutKeys() *Workload {
+	c := *w
+	c.Sessions = append([]Session(nil), w.Sessions...)
+	for i := range c.Sessions {
+		c.Sessions[i].Key = ""
+	}
+	return &c
+}
+
 // Span returns the last session start.
 func (w *Workload) Span() time.Duration {
 	if len(w.Sessions) == 0 {

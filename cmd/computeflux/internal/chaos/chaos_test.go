@@ -1,0 +1,99 @@
+package chaos
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// binary is the computeflux executable TestMain built, or "" when -short.
+var binary string
+
+func TestMain(m *testing.M) {
+	os.Exit(runMain(m))
+}
+
+func runMain(m *testing.M) int {
+	flag.Parse()
+	dir, err := os.MkdirTemp("", "computeflux-chaos-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	if !testing.Short() {
+		binary = filepath.Join(dir, "computeflux")
+		cmd := exec.Command("go", "build", "-o", binary, "github.com/computeflux/computeflux/cmd/computeflux")
+		cmd.Stderr = os.Stderr
+		if err := cmd.Run(); err != nil {
+			fmt.Fprintln(os.Stderr, "building computeflux:", err)
+			return 1
+		}
+	}
+	return m.Run()
+}
+
+// The cluster runs as real processes: a relay, three sim engines and
+// their agents. Under steady sessions (half streamed) one agent is
+// SIGKILLed, another SIGSTOPped for 6 s and woken, and the killed one is
+// started again. No non-streamed request may fail, no stream may fail
+// before its first byte, every stream cut by a fault must end with an
+// OpenAI error event, no stream may carry two completions, nothing may
+// hang.
+func TestChaosRealProcesses(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs the computeflux binary as processes")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	res, err := Run(ctx, Config{Binary: binary, Progress: testWriter{t}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sb strings.Builder
+	res.Write(&sb)
+	for _, l := range strings.Split(strings.TrimSpace(sb.String()), "\n") {
+		t.Log(l)
+	}
+	defer func() {
+		if t.Failed() {
+			for _, e := range res.Events {
+				t.Log("relay: " + e)
+			}
+		}
+	}()
+	served := 0
+	for _, q := range res.Requests {
+		switch {
+		case q.Cause == "ok":
+			served++
+		case q.Cause == "error_event" && q.Stream:
+			// A stream cut by the fault after its first event.
+		default:
+			t.Errorf("request at %v (stream=%v, agent %q) ended %s after %v: %s",
+				q.Start.Round(time.Millisecond), q.Stream, q.Agent, q.Cause, q.Took.Round(time.Millisecond), q.Detail)
+		}
+	}
+	if served < 50 {
+		t.Fatalf("only %d requests served: the load did not run", served)
+	}
+	if res.KillDetect == 0 || res.FreezeDetect == 0 {
+		t.Errorf("the relay did not notice a fault: kill %v, freeze %v", res.KillDetect, res.FreezeDetect)
+	}
+	if res.BackAfterCont == 0 {
+		t.Error("the frozen agent was not routable again after SIGCONT")
+	}
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSpace(string(p)))
+	return len(p), nil
+}

@@ -1,0 +1,168 @@
+package chaos
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// logLine is one JSON log line of a child process, with when it was read.
+type logLine struct {
+	at     time.Time
+	fields map[string]any
+}
+
+func (l logLine) str(k string) string {
+	s, _ := l.fields[k].(string)
+	return s
+}
+
+// proc is one child process of the binary, its JSON logs on stderr read
+// line by line.
+type proc struct {
+	name string
+	cmd  *exec.Cmd
+	done chan struct{} // closed when the process was reaped
+	err  error         // Wait's error, set before done closes
+
+	mu    sync.Mutex // guards lines and subs
+	lines []logLine
+	subs  []chan logLine
+}
+
+// start runs bin with args; its stdout and stderr (JSON logs) are read
+// into the proc, and copied to echo when not nil.
+func start(name, bin string, echo io.Writer, args ...string) (*proc, error) {
+	cmd := exec.Command(bin, args...)
+	cmd.Env = childEnv()
+	out, err := cmd.StderrPipe()
+	if err != nil {
+		return nil, err
+	}
+	cmd.Stdout = cmd.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("chaos: start %s: %w", name, err)
+	}
+	p := &proc{name: name, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		sc := bufio.NewScanner(out)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			b := sc.Bytes()
+			if echo != nil {
+				fmt.Fprintf(echo, "%s: %s\n", name, b)
+			}
+			var f map[string]any
+			if json.Unmarshal(b, &f) != nil {
+				continue
+			}
+			p.add(logLine{at: time.Now(), fields: f})
+		}
+		p.err = cmd.Wait()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// childEnv is our environment without COMPUTEFLUX_* variables, which would
+// set the children's flags.
+func childEnv() []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "COMPUTEFLUX_") {
+			env = append(env, kv)
+		}
+	}
+	return env
+}
+
+func (p *proc) add(l logLine) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.lines = append(p.lines, l)
+	for _, c := range p.subs {
+		select {
+		case c <- l:
+		default:
+		}
+	}
+}
+
+// waitLog waits up to d for a log line (past or future) that match
+// accepts.
+func (p *proc) waitLog(d time.Duration, match func(logLine) bool) (logLine, error) {
+	c := make(chan logLine, 256)
+	p.mu.Lock()
+	for _, l := range p.lines {
+		if match(l) {
+			p.mu.Unlock()
+			return l, nil
+		}
+	}
+	p.subs = append(p.subs, c)
+	p.mu.Unlock()
+	defer func() {
+		p.mu.Lock()
+		for i, s := range p.subs {
+			if s == c {
+				p.subs = append(p.subs[:i], p.subs[i+1:]...)
+				break
+			}
+		}
+		p.mu.Unlock()
+	}()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		select {
+		case l := <-c:
+			if match(l) {
+				return l, nil
+			}
+		case <-p.done:
+			return logLine{}, fmt.Errorf("chaos: %s exited (%v) before the expected log line", p.name, p.err)
+		case <-t.C:
+			return logLine{}, fmt.Errorf("chaos: %s: no expected log line within %v", p.name, d)
+		}
+	}
+}
+
+// logs returns the lines read so far.
+func (p *proc) logs() []logLine {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]logLine(nil), p.lines...)
+}
+
+func (p *proc) signal(s syscall.Signal) error { return p.cmd.Process.Signal(s) }
+
+// stop ends the process: SIGCONT (should it be stopped), SIGTERM, and
+// SIGKILL after grace.
+func (p *proc) stop(grace time.Duration) {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = p.signal(syscall.SIGCONT)
+	_ = p.signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(grace):
+		_ = p.signal(syscall.SIGKILL)
+		<-p.done
+	}
+}
+
+// kill sends SIGKILL and reaps the process.
+func (p *proc) kill() {
+	_ = p.signal(syscall.SIGKILL)
+	<-p.done
+}

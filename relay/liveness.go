@@ -1,0 +1,411 @@
+package relay
+
+// Liveness in the request path. Gossip finds a silent agent in seconds; a
+// request must not wait that long. Two checks run on the connection a
+// request travels on, independent of the engine's speed:
+//
+//   - The acknowledgement: the agent answers every request with
+//     transport.AckStatus as soon as it has read its header. No ack within
+//     ackTimeout (a few round trip times) is a connection failure: the
+//     attempt, not yet committed, is retried on another agent, and the
+//     agent is suspect at once (avoided by the scheduler).
+//   - The probe: a ping runs on every joined agent's connection, from its
+//     join on: every idleProbeInterval, and every probeInterval while
+//     requests are in flight to it (and for a short linger after). An agent
+//     that echoes nothing for silentAfter (idleSilentAfter when idle) is
+//     silent: it turns suspect and every request in flight to it is
+//     cancelled with ErrAgentSilent, so that an uncommitted attempt is
+//     retried elsewhere and a stream already going out ends with an error
+//     event. Silent for deadAfter, it is taken out of routing as gossip
+//     takes a dead member. The first echo after that clears both: a frozen
+//     agent that wakes up is routable again once it answers.
+//
+// The probe also keeps the agent's smoothed RTT in the peerstore (libp2p's
+// LatencyEWMA), which sets the ack bound.
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"io"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/network"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/libp2p/go-libp2p/p2p/protocol/ping"
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/transport"
+)
+
+// Liveness causes of a cancelled attempt.
+var (
+	// ErrNoAck is the cause when an agent did not acknowledge a request
+	// within a few round trip times (see transport.AckStatus).
+	ErrNoAck = errors.New("agent did not acknowledge the request")
+	// ErrAgentSilent is the cause when an agent stopped answering probes
+	// while the request was in flight.
+	ErrAgentSilent = errors.New("agent stopped answering")
+)
+
+// Liveness timings. A ping is 32 bytes and its echo 32, each in a QUIC
+// packet of about 80 bytes with its ACK: an idle agent costs about 160
+// bytes/s each way (idleProbeInterval), one with requests in flight about
+// 640 bytes/s each way (probeInterval).
+const (
+	// idleProbeInterval is the gap between two probes of an agent with no
+	// request in flight.
+	idleProbeInterval = time.Second
+	// idleSilentAfter is the silence bound of an idle agent: a few probes,
+	// so that one lost packet is no death.
+	idleSilentAfter = 3 * time.Second
+	// minAckTimeout is the floor of the ack bound: scheduling delays on a
+	// loaded agent host are not a death.
+	minAckTimeout = 250 * time.Millisecond
+	// ackRTTs is the ack bound in smoothed round trip times.
+	ackRTTs = 4
+	// probeInterval is the gap between two probes of a busy agent.
+	probeInterval = 250 * time.Millisecond
+	// silentAfter is how long an agent may echo nothing before it is
+	// declared silent.
+	silentAfter = 1500 * time.Millisecond
+	// probeLinger keeps probing an agent that has no request in flight any
+	// more, so that a steady trickle of requests does not start and stop a
+	// prober every time.
+	probeLinger = 5 * time.Second
+	// deadAfter is how long an agent may stay silent before the relay
+	// takes it out of routing altogether (its sessions' affinity
+	// dropped), as gossip does for a dead member: it covers agents gossip
+	// does not know yet, and does not wait for QUIC's idle timeout.
+	deadAfter = 10 * time.Second
+	// watchEvery is how often joined agents without a prober get one.
+	watchEvery = 250 * time.Millisecond
+)
+
+// ackTimeout is the bound on a request's acknowledgement given the smoothed
+// RTT to the agent (0 when not measured yet).
+func ackTimeout(rtt time.Duration) time.Duration {
+	return max(ackRTTs*rtt, minAckTimeout)
+}
+
+// liveness watches the agents that have requests in flight. Its methods are
+// safe for concurrent use.
+type liveness struct {
+	h   host.Host
+	reg *Registry
+	log zerolog.Logger
+	ctx context.Context // the relay's background context
+	wg  *sync.WaitGroup // the relay's background goroutines
+
+	mu    sync.Mutex // guards watches
+	watch map[peer.ID]*watch
+}
+
+// watch is the liveness state of one agent. Guarded by liveness.mu.
+type watch struct {
+	name    string
+	flights map[*flight]struct{}
+	suspect bool      // we marked it unresponsive
+	idleAt  time.Time // when the last flight ended
+	probing bool      // a prober goroutine runs
+}
+
+// flight is one attempt in flight to an agent.
+type flight struct {
+	cancel context.CancelCauseFunc
+}
+
+func newLiveness(h host.Host, reg *Registry, log zerolog.Logger, ctx context.Context, wg *sync.WaitGroup) *liveness {
+	return &liveness{h: h, reg: reg, log: log, ctx: ctx, wg: wg, watch: make(map[peer.ID]*watch)}
+}
+
+// ackTimeout returns the ack bound for agent p.
+func (l *liveness) ackTimeout(p peer.ID) time.Duration {
+	return ackTimeout(l.h.Peerstore().LatencyEWMA(p))
+}
+
+// track registers an attempt in flight to agent name at peer p, whose
+// context cancel ends; the returned function unregisters it.
+func (l *liveness) track(p peer.ID, name string, cancel context.CancelCauseFunc) func() {
+	f := &flight{cancel: cancel}
+	l.mu.Lock()
+	w := l.watchLocked(p, name)
+	w.flights[f] = struct{}{}
+	l.startLocked(p, w)
+	l.mu.Unlock()
+	return func() {
+		l.mu.Lock()
+		delete(w.flights, f)
+		if len(w.flights) == 0 {
+			w.idleAt = time.Now()
+		}
+		l.mu.Unlock()
+	}
+}
+
+// noAck records that agent name at p left a request unacknowledged: it is
+// suspect until it answers a probe.
+func (l *liveness) noAck(p peer.ID, name string) {
+	l.mu.Lock()
+	w := l.watchLocked(p, name)
+	mark := !w.suspect
+	w.suspect = true
+	l.startLocked(p, w)
+	l.mu.Unlock()
+	if mark {
+		l.log.Warn().Str("agent", name).Msg("agent left a request unacknowledged: suspect")
+		l.reg.setUnresponsive(name, p, true)
+	}
+}
+
+func (l *liveness) watchLocked(p peer.ID, name string) *watch {
+	w := l.watch[p]
+	if w == nil {
+		w = &watch{name: name, flights: make(map[*flight]struct{})}
+		l.watch[p] = w
+	}
+	return w
+}
+
+// startLocked starts w's prober unless it runs or the relay is closing.
+func (l *liveness) startLocked(p peer.ID, w *watch) {
+	if w.probing || l.ctx.Err() != nil {
+		return
+	}
+	w.probing = true
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		l.probe(p, w)
+	}()
+}
+
+// probe pings agent p until its registration ends or the relay closes.
+func (l *liveness) probe(p peer.ID, w *watch) {
+	var s network.Stream
+	defer func() {
+		if s != nil {
+			_ = s.Reset()
+		}
+	}()
+	lastAlive := time.Now()
+	markedDead := false
+	buf := make([]byte, 2*ping.PingSize)
+	tick := time.NewTimer(0)
+	defer tick.Stop()
+	for {
+		select {
+		case <-l.ctx.Done():
+			l.stop(p, w)
+			return
+		case <-tick.C:
+		}
+		if !l.reg.holds(w.name, p) {
+			l.stop(p, w)
+			return
+		}
+		interval, bound := idleProbeInterval, idleSilentAfter
+		if l.busy(w) {
+			interval, bound = probeInterval, silentAfter
+		}
+		start := time.Now()
+		// Until the silence bound from the last echo; once silent, each
+		// probe gets the whole bound to show the agent is back.
+		deadline := lastAlive.Add(bound)
+		if !deadline.After(start) {
+			deadline = start.Add(bound)
+		}
+		var err error
+		if s == nil {
+			s, err = l.openPing(p, deadline)
+		}
+		if err == nil {
+			err = pingOnce(s, buf, deadline)
+		}
+		now := time.Now()
+		if err == nil {
+			l.h.Peerstore().RecordLatency(p, now.Sub(start))
+			lastAlive = now
+			if markedDead {
+				markedDead = false
+				l.reg.SetDead(w.name, false)
+			}
+			l.alive(p, w)
+			tick.Reset(interval)
+			continue
+		}
+		if s != nil {
+			_ = s.Reset()
+			s = nil
+		}
+		if now.Sub(lastAlive) >= bound {
+			l.silent(p, w)
+		}
+		if !markedDead && now.Sub(lastAlive) >= deadAfter && l.reg.holds(w.name, p) {
+			markedDead = true
+			l.log.Warn().Str("agent", w.name).Dur("silent", now.Sub(lastAlive)).Msg("agent silent too long: out of routing")
+			l.reg.SetDead(w.name, true)
+		}
+		// A failure before the silence bound (a stream reset): retry soon.
+		tick.Reset(probeInterval)
+	}
+}
+
+// busy reports whether w has requests in flight, or had in the last
+// probeLinger.
+func (l *liveness) busy(w *watch) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(w.flights) > 0 || w.suspect || time.Since(w.idleAt) < probeLinger
+}
+
+// run gives every joined agent a prober, from its join on, until the
+// relay closes.
+func (l *liveness) run() {
+	t := time.NewTicker(watchEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-l.ctx.Done():
+			return
+		case <-t.C:
+		}
+		for _, a := range l.reg.Agents() {
+			l.mu.Lock()
+			l.startLocked(a.Peer, l.watchLocked(a.Peer, a.Name))
+			l.mu.Unlock()
+		}
+	}
+}
+
+// stop ends w's prober; a watch with nothing left goes.
+func (l *liveness) stop(p peer.ID, w *watch) {
+	l.mu.Lock()
+	w.probing = false
+	if len(w.flights) == 0 && l.watch[p] == w {
+		delete(l.watch, p)
+	}
+	suspect := w.suspect
+	l.mu.Unlock()
+	if suspect {
+		// Gossip and the join stream decide from here on.
+		l.reg.setUnresponsive(w.name, p, false)
+	}
+}
+
+// alive clears w's suspicion after an echo.
+func (l *liveness) alive(p peer.ID, w *watch) {
+	l.mu.Lock()
+	was := w.suspect
+	w.suspect = false
+	l.mu.Unlock()
+	if was {
+		l.log.Info().Str("agent", w.name).Msg("agent answers again")
+		l.reg.setUnresponsive(w.name, p, false)
+	}
+}
+
+// silent marks w suspect and cancels its requests in flight.
+func (l *liveness) silent(p peer.ID, w *watch) {
+	l.mu.Lock()
+	was := w.suspect
+	w.suspect = true
+	flights := make([]*flight, 0, len(w.flights))
+	for f := range w.flights {
+		flights = append(flights, f)
+	}
+	l.mu.Unlock()
+	if !was {
+		l.log.Warn().Str("agent", w.name).Int("in_flight", len(flights)).Msg("agent silent: suspect, its requests end")
+		l.reg.setUnresponsive(w.name, p, true)
+	}
+	for _, f := range flights {
+		f.cancel(ErrAgentSilent)
+	}
+}
+
+// openPing opens a ping stream to p on an existing connection.
+func (l *liveness) openPing(p peer.ID, deadline time.Time) (network.Stream, error) {
+	ctx, cancel := context.WithDeadline(l.ctx, deadline)
+	defer cancel()
+	// Never dial: a probe checks the connection the requests use.
+	ctx = network.WithNoDial(ctx, "liveness probe")
+	return l.h.NewStream(ctx, p, ping.ID)
+}
+
+// pingOnce sends one ping on s and waits for its echo until deadline. buf
+// holds 2*ping.PingSize bytes.
+func pingOnce(s network.Stream, buf []byte, deadline time.Time) error {
+	out, in := buf[:ping.PingSize], buf[ping.PingSize:]
+	if _, err := rand.Read(out); err != nil {
+		return err
+	}
+	if err := s.SetDeadline(deadline); err != nil {
+		return err
+	}
+	if _, err := s.Write(out); err != nil {
+		return err
+	}
+	if _, err := io.ReadFull(s, in); err != nil {
+		return err
+	}
+	if string(in) != string(out) {
+		return errors.New("ping echo does not match")
+	}
+	return nil
+}
+
+// holds reports whether agent name is registered to peer p.
+func (g *Registry) holds(name string, p peer.ID) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e, ok := g.byName[name]
+	return ok && e.peer == p
+}
+
+// setUnresponsive marks agent name (registered to p) suspect because of a
+// liveness failure in the request path, or clears the mark.
+func (g *Registry) setUnresponsive(name string, p peer.ID, on bool) {
+	g.mu.Lock()
+	e, ok := g.byName[name]
+	changed := ok && e.peer == p && e.unresponsive != on
+	if changed {
+		e.unresponsive = on
+		if !e.dead {
+			g.sched.SetHealth(name, e.effectiveHealth())
+		}
+	}
+	g.mu.Unlock()
+	if changed {
+		g.changed()
+	}
+}
+
+// watchAck arms the acknowledgement bound of one attempt to agent name at
+// p: it returns the request context to use and a function to call once the
+// response's header arrived. Without a watch (no libp2p transport) ctx is
+// returned as it is.
+func (l *liveness) watchAck(ctx context.Context, cancel context.CancelCauseFunc, p peer.ID, name string) (context.Context, func()) {
+	// 0: waiting, 1: acknowledged, 2: timed out. The first to move it
+	// decides, as for the time to first byte.
+	var state atomic.Int32
+	t := time.AfterFunc(l.ackTimeout(p), func() {
+		if state.CompareAndSwap(0, 2) {
+			cancel(ErrNoAck)
+			l.noAck(p, name)
+		}
+	})
+	ctx = transport.WithAck(ctx, func() {
+		if state.CompareAndSwap(0, 1) {
+			t.Stop()
+		}
+	})
+	return ctx, func() {
+		if state.CompareAndSwap(0, 1) {
+			t.Stop()
+		}
+	}
+}

@@ -1,0 +1,248 @@
+package relay_test
+
+import (
+	"bufio"
+	"context"
+	"io"
+	"net/http"
+	"os"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/libp2p/go-libp2p"
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/network"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/libp2p/go-libp2p/p2p/protocol/ping"
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
+	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
+)
+
+// joinHost joins h to the relay as name serving model m1, and keeps the
+// registration until the test ends.
+func joinHost(t *testing.T, rl *itRelay, h host.Host, name string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := h.Connect(ctx, rl.info()); err != nil {
+		t.Fatal(err)
+	}
+	m, err := transport.Join(ctx, h, rl.info().ID, []byte(itToken), joinInfo(name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = m.Close() })
+}
+
+func agentHealth(rl *itRelay, name string) (scheduler.Health, bool) {
+	for _, st := range rl.r.Scheduler().Snapshot() {
+		if st.ID == name {
+			return st.Health, true
+		}
+	}
+	return scheduler.Health{}, false
+}
+
+// A peer that takes requests and never acknowledges them (a process frozen
+// or gone, its connection not yet timed out) costs a request a few hundred
+// milliseconds, not the engine's time-to-first-byte bound: the attempt is
+// retried on another agent and the mute one turns suspect at once.
+func TestUnacknowledgedRequestRetriedElsewhere(t *testing.T) {
+	rl := serveRelay(t, relay.Config{
+		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
+		Token:     []byte(itToken),
+		APIKeys:   []string{itKey},
+		// Round robin: the mute agent is certainly picked.
+		Policy: scheduler.PolicyRoundRobin,
+		Logger: zerolog.New(io.Discard),
+	})
+	startRealAgent(t, rl, "good", newITEngine(t, "good", "m1"))
+	// No ping service either: probes go unanswered, as a frozen process's.
+	mute := newHostOpts(t, libp2p.Ping(false))
+	var swallowed atomic.Int64
+	mute.SetStreamHandler(transport.InferProtocol, func(s network.Stream) {
+		swallowed.Add(1)
+		_, _ = io.Copy(io.Discard, s) // reads the request, answers nothing
+	})
+	joinHost(t, rl, mute, "mute")
+	waitAgents(t, rl, "good", "mute")
+
+	c := newClient(t, rl.url)
+	var longest time.Duration
+	for i := range 6 {
+		start := time.Now()
+		status, agent := c.chat("m1", "")
+		d := time.Since(start)
+		longest = max(longest, d)
+		if status != http.StatusOK || agent != "good" {
+			t.Fatalf("request %d: status %d from %q, want 200 from good", i, status, agent)
+		}
+		if d > 5*time.Second {
+			t.Fatalf("request %d took %v: the missing acknowledgement was not noticed", i, d)
+		}
+	}
+	if swallowed.Load() == 0 {
+		t.Fatal("the mute agent got no request: the test proved nothing")
+	}
+	if h, ok := agentHealth(rl, "mute"); !ok || !h.Suspect {
+		t.Fatalf("mute agent health %+v (known %v), want suspect", h, ok)
+	}
+	if h, _ := agentHealth(rl, "good"); h.Suspect {
+		t.Fatal("the good agent is suspect")
+	}
+	t.Logf("longest request with a mute agent: %v (%d requests reached it)", longest, swallowed.Load())
+
+	// It answers probes again (a frozen process woken up): routable again.
+	ping.NewPingService(mute)
+	waitFor(t, "the mute agent to be no longer suspect", func() bool {
+		h, ok := agentHealth(rl, "mute")
+		return ok && !h.Suspect
+	})
+}
+
+func newHostOpts(t *testing.T, opts ...libp2p.Option) host.Host {
+	t.Helper()
+	h, err := transport.NewHost(transport.HostConfig{ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Options: opts})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = h.Close() })
+	return h
+}
+
+// An agent that acknowledged a stream, sent its first event and then stops
+// answering (no event, no probe echo) has the stream ended with an OpenAI
+// error event within about the silence bound, not the idle timeout.
+func TestSilentAgentEndsStreamWithErrorEvent(t *testing.T) {
+	rl := startRelayLogger(t, zerolog.New(io.Discard))
+	// No ping service: its probes go unanswered, as a frozen process's.
+	h := newHostOpts(t, libp2p.Ping(false))
+	release := make(chan struct{})
+	t.Cleanup(func() { close(release) })
+	relayID := rl.info().ID
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n")
+		w.(http.Flusher).Flush()
+		select { // then silence
+		case <-release:
+		case <-r.Context().Done():
+		}
+	})
+	srv, err := transport.ServeHTTP(h, handler, func(p peer.ID) bool { return p == relayID })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	joinHost(t, rl, h, "frozen")
+	waitAgents(t, rl, "frozen")
+
+	c := newClient(t, rl.url)
+	resp, err := c.post("/v1/chat/completions", `{"model":"m1","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	br := bufio.NewReader(resp.Body)
+	var events []string
+	var firstAt, lastAt time.Time
+	for {
+		line, err := br.ReadString('\n')
+		if strings.HasPrefix(line, "data: ") {
+			events = append(events, strings.TrimSpace(line))
+			if firstAt.IsZero() {
+				firstAt = time.Now()
+			}
+			lastAt = time.Now()
+		}
+		if err != nil {
+			break
+		}
+	}
+	if len(events) != 2 || !strings.Contains(events[1], `"error"`) || !strings.Contains(events[1], "upstream_unreachable") {
+		t.Fatalf("events %q: want the first event, then an upstream_unreachable error event", events)
+	}
+	gap := lastAt.Sub(firstAt)
+	if gap > 10*time.Second {
+		t.Fatalf("error event %v after the last event: the silence went unnoticed", gap)
+	}
+	if h, _ := agentHealth(rl, "frozen"); !h.Suspect {
+		t.Fatal("silent agent is not suspect")
+	}
+	t.Logf("silent agent's stream ended with an error event %v after its last event", gap)
+}
+
+// Detection of a silent agent with no request in flight, through package
+// agent: each run kills one agent by dropping its packets, half of them
+// right after it joined, and measures until the relay routes around it.
+// The figures are reported; the test fails only if the relay never
+// notices. Two runs by default; COMPUTEFLUX_LIVENESS_MEASURE=1 makes ten.
+func TestSilentIdleAgentDetection(t *testing.T) {
+	if testing.Short() {
+		t.Skip("kills agents over QUIC")
+	}
+	ctx := context.Background()
+	cl, err := relaytest.Start(ctx, relaytest.Config{Engines: 2, Engine: simengine.Config{TimeScale: 100}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	runs := 2
+	if os.Getenv("COMPUTEFLUX_LIVENESS_MEASURE") != "" {
+		runs = 10
+	}
+	var took []time.Duration
+	for run := range runs {
+		i := 1
+		if run%2 == 1 {
+			// Killed right after joining (AddEngine returns once joined).
+			var err error
+			if i, err = cl.AddEngine(ctx); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			time.Sleep(1500 * time.Millisecond) // well after its join
+		}
+		name := cl.Engine(i).Name
+		killed := time.Now()
+		if err := cl.KillAgent(i); err != nil {
+			t.Fatal(err)
+		}
+		for !suspectOrGone(cl.Relay().Scheduler(), name) {
+			if time.Since(killed) > 30*time.Second {
+				t.Fatalf("run %d: the relay still routes to %s 30 s after it died", run, name)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		took = append(took, time.Since(killed))
+		if run%2 == 0 {
+			if err := cl.RestartAgent(ctx, i); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	sorted := slices.Clone(took)
+	slices.Sort(sorted)
+	t.Logf("silent idle agent out of routing after: median %v, worst %v (runs %v; odd runs killed right after joining)",
+		sorted[len(sorted)/2].Round(time.Millisecond), sorted[len(sorted)-1].Round(time.Millisecond), took)
+}
+
+func suspectOrGone(s *scheduler.Scheduler, id string) bool {
+	for _, st := range s.Snapshot() {
+		if st.ID == id {
+			return st.Health.Suspect || st.Health.Draining
+		}
+	}
+	return true
+}
