@@ -69,6 +69,9 @@ type Config struct {
 	// Gossip configures membership gossip; the zero value runs it with the
 	// home preset (see GossipConfig).
 	Gossip GossipConfig
+	// Index configures the prefix index published to the relays; the zero
+	// value publishes it, sized from the engine (see IndexConfig).
+	Index IndexConfig
 	// Logger receives the agent's logs. The zero value discards.
 	Logger zerolog.Logger
 
@@ -188,6 +191,8 @@ type Agent struct {
 	dialSem  chan struct{}                      // bounds predial's dials in flight
 	host     host.Host                          // guarded by mu; set while Run runs
 	draining atomic.Bool
+	index    *prefixIndex // nil when Config.Index.Disabled
+	capReads int          // refreshes since the engine's KV capacity was read; refresh only
 
 	mu       sync.Mutex // guards the following fields
 	models   []string
@@ -244,6 +249,9 @@ func New(cfg Config) (*Agent, error) {
 		rejoin:   make(chan struct{}, 1),
 		kick:     make(chan struct{}, 1),
 		dialSem:  make(chan struct{}, predialLimit),
+	}
+	if !cfg.Index.Disabled {
+		a.index = newPrefixIndex(cfg.Index, a.log.With().Str("part", "prefix-index").Logger())
 	}
 	a.proxy = a.newProxy()
 	return a, nil
@@ -345,6 +353,9 @@ func (a *Agent) Run(ctx context.Context) error {
 		defer wg.Done()
 		a.refreshLoop(bg)
 	}()
+	if a.index != nil {
+		wg.Go(func() { a.index.flushLoop(bg) })
+	}
 	defer func() {
 		stopBg()
 		// Gossip stops before the wait: a gossip join in progress then
@@ -377,7 +388,9 @@ func (a *Agent) stayJoined(ctx context.Context, h host.Host, l *relayLink) *tran
 			// after every registration.
 			a.gossipRejoin()
 			since := time.Now()
+			stopIndex := a.startPublishing(ctx, h, l.info.ID)
 			m = a.serveMembership(ctx, m, l)
+			stopIndex()
 			if m != nil {
 				return m // ctx ended while joined
 			}
@@ -558,6 +571,9 @@ func (a *Agent) refresh(ctx context.Context) {
 
 	if err != nil && ctx.Err() == nil {
 		a.log.Warn().Err(err).Msg("engine model discovery failed")
+	}
+	if err == nil {
+		a.refreshKVCapacity(ctx)
 	}
 	if wasOK != nowOK || !slices.Equal(before, after) {
 		if nowOK {

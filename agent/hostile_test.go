@@ -96,7 +96,7 @@ func TestAgentRefusesProxyForms(t *testing.T) {
 	defer eng.mu.Unlock()
 	for _, p := range eng.paths {
 		switch p {
-		case "/v1/models", "/metrics", "/v1/chat/completions":
+		case "/v1/models", "/metrics", "/props", "/v1/chat/completions": // /props: llama.cpp's KV capacity
 		default:
 			t.Errorf("engine received %q", p)
 		}

@@ -65,7 +65,8 @@ func (a *Agent) newProxy() http.Handler {
 		// Without a pool, ReverseProxy allocates a 32 KiB copy buffer per
 		// request: under load that was most of the agent's allocation and
 		// its GC most of the agent's CPU beyond the network itself.
-		BufferPool: copyBuffers,
+		BufferPool:     copyBuffers,
+		ModifyResponse: a.observeResponse, // prefix index (usage.go)
 		// Server-sent events are flushed per write by ReverseProxy itself
 		// (it recognises text/event-stream and unknown lengths).
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
@@ -105,6 +106,9 @@ func (a *Agent) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Retry-After", "1")
 		writeError(w, http.StatusTooManyRequests, "agent_busy", "this agent is at its concurrency limit of "+strconv.Itoa(max))
 		return
+	}
+	if method == http.MethodPost && r.URL.Path != "/v1/embeddings" {
+		r = a.indexRequest(r) // prefix index (usage.go)
 	}
 	a.proxy.ServeHTTP(w, r)
 }

@@ -113,6 +113,13 @@ type Config struct {
 	// Scheduler tunes the scheduler. Its zero value means the scheduler's
 	// defaults; a nil Scheduler.Clock is replaced by Clock.
 	Scheduler scheduler.Config
+	// Prefix is how request prompts are cut into blocks for prefix-aware
+	// routing; agents must publish their index with the same setting. The
+	// zero value is scheduler's default (64-token blocks of 256 bytes).
+	Prefix scheduler.PrefixConfig
+	// IndexCutoff is how long an agent that broke the prefix index protocol
+	// may not publish again. Zero means DefaultIndexCutoff (1 minute).
+	IndexCutoff time.Duration
 
 	// MaxAttempts bounds the agents tried for one request before its first
 	// byte reaches the client. Zero means 3.
@@ -203,6 +210,9 @@ func populate(cfg Config) Config {
 	if cfg.Clock == nil {
 		cfg.Clock = realClock{}
 	}
+	if cfg.IndexCutoff == 0 {
+		cfg.IndexCutoff = DefaultIndexCutoff
+	}
 	if cfg.MaxAgentWeight == 0 {
 		cfg.MaxAgentWeight = DefaultMaxAgentWeight
 	}
@@ -241,6 +251,9 @@ func validate(cfg Config) error {
 	}
 	if cfg.TTFBTimeout < 0 || cfg.IdleTimeout < 0 || cfg.ReadHeaderTimeout < 0 || cfg.ShutdownTimeout < 0 {
 		errs = append(errs, errors.New("negative timeout"))
+	}
+	if cfg.IndexCutoff < 0 {
+		errs = append(errs, errors.New("negative IndexCutoff"))
 	}
 	if cfg.MaxBodyBytes < 0 || cfg.MaxHeaderBytes < 0 {
 		errs = append(errs, errors.New("negative size limit"))

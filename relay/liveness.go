@@ -392,7 +392,23 @@ func (l *liveness) watchAck(ctx context.Context, cancel context.CancelCauseFunc,
 	// 0: waiting, 1: acknowledged, 2: timed out. The first to move it
 	// decides, as for the time to first byte.
 	var state atomic.Int32
-	t := time.AfterFunc(l.ackTimeout(p), func() {
+	bound := l.ackTimeout(p)
+	var t *time.Timer
+	t = time.AfterFunc(bound, func() {
+		if state.Load() != 0 {
+			return
+		}
+		// A late ack alone is no death: a loaded agent host (or relay)
+		// delays it. Before the attempt is given up the connection itself
+		// is asked, with a ping of its own: a dead or frozen agent answers
+		// none, a slow one does, and its attempt keeps waiting (the
+		// prober's silence bound still ends it if the agent goes quiet).
+		if l.pingNow(p, 2*bound) {
+			if state.Load() == 0 {
+				t.Reset(bound)
+			}
+			return
+		}
 		if state.CompareAndSwap(0, 2) {
 			cancel(ErrNoAck)
 			l.noAck(p, name)
@@ -408,4 +424,21 @@ func (l *liveness) watchAck(ctx context.Context, cancel context.CancelCauseFunc,
 			t.Stop()
 		}
 	}
+}
+
+// pingNow pings agent p once on its existing connection and reports whether
+// the echo came within d.
+func (l *liveness) pingNow(p peer.ID, d time.Duration) bool {
+	start := time.Now()
+	deadline := start.Add(d)
+	s, err := l.openPing(p, deadline)
+	if err != nil {
+		return false
+	}
+	defer func() { _ = s.Reset() }()
+	if pingOnce(s, make([]byte, 2*ping.PingSize), deadline) != nil {
+		return false
+	}
+	l.h.Peerstore().RecordLatency(p, time.Since(start))
+	return true
 }

@@ -21,6 +21,7 @@ type metrics struct {
 	failures *prometheus.CounterVec // failed attempts before the first byte, by agent
 	routable prometheus.Gauge
 	forged   prometheus.Counter // peers cut off for forged gossip
+	index    *indexMetrics      // prefix index traffic (prefix.go)
 	relay    *Relay
 }
 
@@ -31,6 +32,7 @@ func newMetrics(r *Relay) *metrics {
 	m := &metrics{
 		reg:   prometheus.NewRegistry(),
 		relay: r,
+		index: newIndexMetrics(),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "computeflux_requests_total",
 			Help: "Inference requests answered, by serving agent (empty if none) and HTTP status (499: client left).",
@@ -70,6 +72,7 @@ func newMetrics(r *Relay) *metrics {
 		schedulerCollector{r: r},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m.reg.MustRegister(m.index.collectors(r.sched)...)
 	return m
 }
 

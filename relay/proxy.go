@@ -71,7 +71,9 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	rl.model, rl.stream, rl.session = rt.model, rt.stream, session != ""
 
 	r.installBinding(session)
-	att := r.sched.Begin(scheduler.Request{Model: rt.model, SessionKey: session})
+	blocks := r.promptBlocks(body) // prefix.go
+	defer releaseBlocks(blocks)
+	att := r.sched.Begin(scheduler.Request{Model: rt.model, SessionKey: session, Prefix: *blocks})
 	var (
 		lastErr        error
 		failures       int
@@ -96,6 +98,9 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 			r.metrics.retries.Inc()
 		}
 		rl.attempts = n + 1
+		if n == 0 {
+			r.metrics.index.observePick(len(*blocks), c.CachedBlocks)
+		}
 		rl.agent, rl.affinity = c.EndpointID, c.Affinity.String()
 		res := r.attempt(w, req, body, att, c, rl)
 		if res.committed {
@@ -227,6 +232,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 		return r.failed(ctx, req, report, start, resp.StatusCode, rerr)
 	}
 	ttfb := r.cfg.Clock.Now().Sub(start)
+	att.Started(c) // the prompt is prefilled: no longer the agent's backlog
 	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 	first := buf[:n]
 	if !sse && resp.StatusCode/100 == 2 {

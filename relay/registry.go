@@ -34,6 +34,9 @@ type Registry struct {
 	// onChange, if set, is called (without mu held) after the routable set
 	// may have changed.
 	onChange func()
+	// index, if set, hears of registrations that end and of agents whose
+	// prefix index entries were dropped while they stayed joined (prefix.go).
+	index *indexService
 	// onRelays, if set, is called (without mu held) with the relays a
 	// joining or updating agent names (peers.go).
 	onRelays func([]string)
@@ -263,6 +266,9 @@ func (g *Registry) Left(p peer.ID) {
 		return
 	}
 	g.log.Info().Str("agent", e.name).Stringer("peer", p).Msg("agent left")
+	if g.index != nil {
+		g.index.left(p)
+	}
 	g.changed()
 }
 
@@ -305,6 +311,10 @@ func (g *Registry) SetDead(name string, dead bool) {
 		return
 	}
 	g.log.Info().Str("agent", name).Bool("dead", dead).Msg("agent liveness changed")
+	if !dead && g.index != nil {
+		// Remove dropped its prefix index entries: ask for them again.
+		g.index.resync(e.peer)
+	}
 	g.changed()
 }
 
@@ -407,4 +417,17 @@ func cloneInfo(info transport.JoinInfo) transport.JoinInfo {
 	info.Models = slices.Clone(info.Models)
 	info.Relays = slices.Clone(info.Relays)
 	return info
+}
+
+// withIndex runs f with the name of agent p, under the registry's lock, if
+// p is joined and not dead: prefix index updates then cannot outlive the
+// registration (Left and SetDead remove the entries under the same lock).
+func (g *Registry) withIndex(p peer.ID, f func(name string)) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e, ok := g.byPeer[p]
+	if !ok || e.dead || g.byName[e.name] != e {
+		return
+	}
+	f(e.name)
 }

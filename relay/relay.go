@@ -42,9 +42,10 @@ type Relay struct {
 	adminAddr atomic.Value  // string: the admin listener's address
 	rttKick   chan struct{} // wakes the RTT prober (admin.go), which runs only with a host
 
-	host    host.Host // nil with NoP2P
-	ownHost bool      // New created host, so Close closes it
-	join    io.Closer // the join service on host
+	host    host.Host     // nil with NoP2P
+	ownHost bool          // New created host, so Close closes it
+	join    io.Closer     // the join service on host
+	index   *indexService // prefix index streams on host; nil with NoP2P
 
 	gossip *relayGossip // nil when gossip is off or without a host
 	live   *liveness    // request-path liveness; nil without our own libp2p round tripper
@@ -133,6 +134,8 @@ func New(cfg Config) (*Relay, error) {
 			return nil, fmt.Errorf("relay: join service: %w", err)
 		}
 		r.join = join
+		r.index = newIndexService(r)
+		r.reg.index = r.index
 		r.bgCtx, r.bgCancel = context.WithCancel(context.Background())
 		peerRelays := make(map[peer.ID]bool)
 		for _, ai := range cfg.Gossip.Relays {
@@ -297,6 +300,9 @@ func (r *Relay) Close() error {
 		}
 		if r.join != nil {
 			errs = append(errs, r.join.Close())
+		}
+		if r.index != nil {
+			r.index.close()
 		}
 		if r.ownHost {
 			errs = append(errs, r.host.Close())

@@ -14,4 +14,8 @@ const (
 	GossipPacketProtocol protocol.ID = "/computeflux/gossip/packet/1.0.0"
 	// GossipStreamProtocol carries memberlist streams (push/pull state sync).
 	GossipStreamProtocol protocol.ID = "/computeflux/gossip/stream/1.0.0"
+	// PrefixProtocol carries an agent's prefix index (which KV-cache blocks
+	// its engine holds) to a relay: a snapshot, then batched deltas (see
+	// AppendPrefixFrame). The agent opens it after joining.
+	PrefixProtocol protocol.ID = "/computeflux/prefix/1.0.0"
 )

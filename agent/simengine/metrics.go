@@ -1,6 +1,10 @@
 package simengine
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // collector exports the engine's statistics under vLLM's metric names, with
 // vLLM's model_name label, so tools that read a vLLM engine's /metrics read
@@ -22,7 +26,10 @@ var (
 	descCancelled  = prometheus.NewDesc("simengine_requests_cancelled_total", "Requests whose client went away before the end.", labels, nil)
 	descRejected   = prometheus.NewDesc("simengine_requests_rejected_total", "Requests refused because the queue was full.", labels, nil)
 	descSlowdown   = prometheus.NewDesc("simengine_slowdown_factor", "How many times slower than configured the engine runs.", labels, nil)
-	collectorDescs = []*prometheus.Desc{descRunning, descWaiting, descKVUsage, descPCQueries, descPCHits, descPrompt, descGeneration, descSuccess, descCachedBlks, descCapacity, descCancelled, descRejected, descSlowdown}
+	// descCacheConfig is vLLM's cache configuration series (value 1, the
+	// figures in labels): agents size their prefix index from it.
+	descCacheConfig = prometheus.NewDesc("vllm:cache_config_info", "Information of the KV-cache configuration.", []string{"block_size", "num_gpu_blocks"}, nil)
+	collectorDescs  = []*prometheus.Desc{descRunning, descWaiting, descKVUsage, descPCQueries, descPCHits, descPrompt, descGeneration, descSuccess, descCachedBlks, descCapacity, descCancelled, descRejected, descSlowdown, descCacheConfig}
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
@@ -53,4 +60,6 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	n(descCancelled, st.Cancelled)
 	n(descRejected, st.Rejected)
 	g(descSlowdown, st.Slowdown)
+	ch <- prometheus.MustNewConstMetric(descCacheConfig, prometheus.GaugeValue, 1,
+		strconv.Itoa(c.s.cfg.Engine.BlockSize), strconv.Itoa(st.CacheBlocks))
 }

@@ -50,6 +50,7 @@ func agentConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.StringVar(&cfg.Name, "name", "", "agent `name` shown by the relay (default: host name)")
 	fs.Float64Var(&cfg.Weight, "weight", 1, "relative share of traffic")
 	fs.IntVar(&cfg.MaxConcurrency, "max-concurrency", 0, "most concurrent requests (0: unlimited)")
+	fs.IntVar(&cfg.Index.KVCapacityTokens, "kv-capacity-tokens", 0, "the engine's KV-cache capacity in `tokens`, sizing the prefix index published to the relay (0: read it from the engine, else 262144)")
 	fs.StringVar(&cfg.IdentityFile, "identity", "", "Ed25519 identity `file`, created on first run (default: <user config dir>/computeflux/agent-<name>.key)")
 	fs.BoolVar(&ephemeral, "ephemeral-identity", false, "use a new identity on every start instead of a file (a restarted agent then waits until the relay drops its old registration)")
 	nat.register(fs)

@@ -106,6 +106,6 @@ func demoCompareConfig(engines, sessions int) bench.Config {
 
 // curlLine is a ready-to-paste streaming chat completion with a session ID.
 func curlLine(url, key string) string {
-	return fmt.Sprintf(`curl -sN %s/v1/chat/completions -H "Authorization: Bearer %s" -H "Content-Type: application/json" -H "X-Session-ID: demo-1" -d '{"model":"%s","stream":true,"max_tokens":30,"messages":[{"role":"user","content":"Hello, ComputeFlux!"}]}'`,
+	return fmt.Sprintf(`curl -sN %s/v1/chat/completions -H "Authorization: Bearer %s" -H "Content-Type: application/json" -H "X-Session-ID: demo-1" -d '{"model":"%s","stream":true,"stream_options":{"include_usage":true},"max_tokens":30,"messages":[{"role":"user","content":"Hello, ComputeFlux!"}]}'`,
 		url, key, simengine.DefaultModel)
 }

@@ -22,7 +22,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // the serving agent, the affinity header and the cached tokens from usage.
 func chat(t *testing.T, c *relaytest.Cluster, session, text string) (agent, affinity string, cached int) {
 	t.Helper()
-	body := fmt.Sprintf(`{"model":%q,"stream":true,"max_tokens":20,"messages":[{"role":"user","content":%q}]}`, simengine.DefaultModel, text)
+	body := fmt.Sprintf(`{"model":%q,"stream":true,"stream_options":{"include_usage":true},"max_tokens":20,"messages":[{"role":"user","content":%q}]}`, simengine.DefaultModel, text)
 	req, _ := http.NewRequest("POST", c.URL()+"/v1/chat/completions", strings.NewReader(body))
 	req.Header.Set("Authorization", "Bearer "+c.APIKey())
 	req.Header.Set("X-Session-ID", session)

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/scheduler"
 )
@@ -107,6 +108,7 @@ func (r *liveRun) drive(ctx context.Context, p scheduler.Policy, wall time.Time)
 	}
 	res := summarize(p.String(), cfg.Scenario.String(), "live", r.recs, cfg.Engines)
 	res.Wall = time.Since(wall)
+	res.IndexTraffic = indexTraffic(r.prefixTraffic(), r.model(time.Since(r.start)))
 	return res, nil
 }
 
@@ -257,7 +259,7 @@ func (r *liveRun) do(ctx context.Context, session string, msgs []message, maxTok
 	}
 	req.Header.Set("Authorization", "Bearer "+key)
 	req.Header.Set("Content-Type", "application/json")
-	if !r.cfg.Keyless {
+	if !r.cfg.Keyless && session != "" { // a keyless replay names no session
 		req.Header.Set("X-Session-ID", session)
 	}
 	resp, err := r.client.Do(req)
@@ -372,4 +374,51 @@ func errorCause(err error) string {
 		s = s[:120] + "..."
 	}
 	return s
+}
+
+// IndexTraffic is the prefix index traffic of a live run, per agent, in
+// bytes per second of model time (the trace's own clock: what an agent
+// would send at the trace's real pace).
+type IndexTraffic struct {
+	Agents int     `json:"agents"`
+	Bytes  uint64  `json:"bytes"`
+	Mean   float64 `json:"mean_bytes_per_sec"`
+	Max    float64 `json:"max_bytes_per_sec"`
+}
+
+// indexTraffic summarises the relay's per-agent byte counts over a run of
+// span model time; nil when no agent published.
+func indexTraffic(byAgent map[string]uint64, span time.Duration) *IndexTraffic {
+	if len(byAgent) == 0 || span <= 0 {
+		return nil
+	}
+	t := &IndexTraffic{Agents: len(byAgent)}
+	var most uint64
+	for _, b := range byAgent {
+		t.Bytes += b
+		most = max(most, b)
+	}
+	s := span.Seconds()
+	t.Mean = float64(t.Bytes) / float64(len(byAgent)) / s
+	t.Max = float64(most) / s
+	return t
+}
+
+// prefixTraffic returns the prefix index bytes each agent sent, over all
+// the run's relays.
+func (r *liveRun) prefixTraffic() map[string]uint64 {
+	var relays []*relay.Relay
+	if r.c != nil {
+		relays = append(relays, r.c.Relay())
+	}
+	if r.lr != nil {
+		relays = append(relays, r.lr.relays...)
+	}
+	out := make(map[string]uint64)
+	for _, rl := range relays {
+		for a, b := range rl.PrefixTraffic() {
+			out[a] += b
+		}
+	}
+	return out
 }

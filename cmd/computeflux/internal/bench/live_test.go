@@ -31,7 +31,7 @@ func TestLiveStickyBeatsRoundRobin(t *testing.T) {
 	t.Logf("oracle %.3f, sticky %.3f, round-robin %.3f", rp.Oracle, sticky.HitRatio, rr.HitRatio)
 	for _, r := range rp.Results {
 		if r.Errors != 0 || r.Requests != rp.Turns {
-			t.Fatalf("%s: %d errors in %d requests, want %d requests", r.Policy, r.Errors, r.Requests, rp.Turns)
+			t.Fatalf("%s: %d errors (%v) in %d requests, want %d requests", r.Policy, r.Errors, r.ErrorCauses, r.Requests, rp.Turns)
 		}
 	}
 	if sticky.HitRatio <= rr.HitRatio {

@@ -61,6 +61,9 @@ type Result struct {
 	Decision *Micros `json:"decision_us,omitempty"`
 	// Wall is how long the run took in real time.
 	Wall time.Duration `json:"wall_ns"`
+	// IndexTraffic is what the agents published of their prefix indexes
+	// to the relay (live mode).
+	IndexTraffic *IndexTraffic `json:"index_traffic,omitempty"`
 	// Relays is the number of relays the requests were spread over (0:
 	// one); BindingUpdates counts bindings sent between them and
 	// BindingBytesPerSec the bytes each relay sent per second of model
@@ -245,6 +248,12 @@ func (rp *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintf(&b, " %s %s", r.Policy, r.Wall.Round(100*time.Millisecond))
 	}
 	b.WriteString("\n")
+	for _, r := range rp.Results {
+		if t := r.IndexTraffic; t != nil {
+			fmt.Fprintf(&b, "%s prefix index traffic: %d agents, %d bytes, %.0f B/s per agent (max %.0f) of model time\n",
+				r.Policy, t.Agents, t.Bytes, t.Mean, t.Max)
+		}
+	}
 	if rp.Pooled > 0 {
 		fmt.Fprintf(&b, "pooled bound (one engine with all %d engines' caches together, arrival order): %.1f%%\n", rp.Engines, 100*rp.Pooled)
 	}

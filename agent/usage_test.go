@@ -1,0 +1,304 @@
+package agent
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/scheduler"
+)
+
+func TestAskUsage(t *testing.T) {
+	cases := []struct {
+		name string
+		in   string
+		ask  bool
+		opts string // stream_options after the rewrite
+	}{
+		{"stream without options", `{"model":"m","stream":true,"messages":[]}`, true, `{"include_usage":true}`},
+		{"stream with null options", `{"model":"m","stream":true,"stream_options":null}`, true, `{"include_usage":true}`},
+		{"other options kept", `{"model":"m","stream":true,"stream_options":{"continuous_usage_stats":false}}`, true, `{"continuous_usage_stats":false,"include_usage":true}`},
+		{"usage off", `{"model":"m","stream":true,"stream_options":{"include_usage":false}}`, true, `{"include_usage":true}`},
+		{"already asked", `{"model":"m","stream":true,"stream_options":{"include_usage":true}}`, false, ""},
+		{"not a stream", `{"model":"m","stream":false}`, false, ""},
+		{"no stream field", `{"model":"m"}`, false, ""},
+		{"not JSON", `{"model":`, false, ""},
+		{"bad options", `{"model":"m","stream":true,"stream_options":[1]}`, false, ""},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			out, ok := askUsage([]byte(tc.in))
+			if ok != tc.ask {
+				t.Fatalf("asked %v, want %v (%s)", ok, tc.ask, out)
+			}
+			if !ok {
+				return
+			}
+			var f map[string]json.RawMessage
+			if err := json.Unmarshal(out, &f); err != nil {
+				t.Fatalf("rewritten body %s: %v", out, err)
+			}
+			if string(f["stream_options"]) != tc.opts {
+				t.Fatalf("stream_options %s, want %s", f["stream_options"], tc.opts)
+			}
+			if string(f["model"]) != `"m"` || string(f["stream"]) != "true" {
+				t.Fatalf("other fields changed: %s", out)
+			}
+		})
+	}
+}
+
+// usageEngine streams two content chunks, then a usage chunk (as vLLM does
+// when asked), or answers one JSON object; it records the bodies it got.
+type usageEngine struct {
+	prompt, cached int
+	mu             sync.Mutex
+	bodies         []string
+}
+
+func (e *usageEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	b, _ := io.ReadAll(r.Body)
+	e.mu.Lock()
+	e.bodies = append(e.bodies, string(b))
+	e.mu.Unlock()
+	usage := fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":%d}}`, e.prompt, e.cached)
+	if !bytes.Contains(b, []byte(`"stream":true`)) {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"choices":[{"message":{"content":"hi"}}],"usage":%s}`, usage)
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	fmt.Fprint(w, "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n")
+	w.(http.Flusher).Flush()
+	fmt.Fprint(w, "data: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\n\ndata: {\"choices\":[],\"usage\":"+usage+"}\n\n")
+	fmt.Fprint(w, "data: [DONE]\n\n")
+}
+
+func (e *usageEngine) lastBody() string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.bodies[len(e.bodies)-1]
+}
+
+func newIndexedAgent(t *testing.T, h http.Handler, kvTokens int) *Agent {
+	t.Helper()
+	eng := httptest.NewServer(h)
+	t.Cleanup(eng.Close)
+	a, err := New(Config{
+		Relay: "/ip4/127.0.0.1/udp/4001/quic-v1/p2p/12D3KooWDkftGHFMSNsFYC5NV8WDxAcwH1EWPBBSUhuk5FzmHpdu",
+		Token: "t", Upstream: eng.URL, Name: "a",
+		Index: IndexConfig{KVCapacityTokens: kvTokens},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		a.client.CloseIdleConnections()
+		if c, ok := a.cfg.UpstreamTransport.(interface{ CloseIdleConnections() }); ok {
+			c.CloseIdleConnections()
+		}
+	})
+	return a
+}
+
+func chatReq(system string, stream, includeUsage bool) string {
+	m := map[string]any{"model": "m", "stream": stream,
+		"messages": []map[string]string{{"role": "system", "content": system}, {"role": "user", "content": "q"}}}
+	if includeUsage {
+		m["stream_options"] = map[string]bool{"include_usage": true}
+	}
+	b, _ := json.Marshal(m)
+	return string(b)
+}
+
+func TestAgentIndexesServedRequests(t *testing.T) {
+	eng := &usageEngine{prompt: 2000, cached: 0}
+	a := newIndexedAgent(t, eng, 64*64)
+	system := strings.Repeat("the same long system prompt ", 400) // about 11 KiB
+	chain := scheduler.PromptBlocks(nil, []byte(chatReq(system, true, false)), scheduler.PrefixConfig{})
+	if len(chain) < 40 {
+		t.Fatalf("chain of %d blocks", len(chain))
+	}
+	serve := func(body string) *httptest.ResponseRecorder {
+		rec := httptest.NewRecorder()
+		req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body))
+		a.ServeHTTP(rec, req)
+		if rec.Code != http.StatusOK {
+			t.Fatalf("status %d: %s", rec.Code, rec.Body)
+		}
+		return rec
+	}
+
+	t.Run("stream without usage asked", func(t *testing.T) {
+		rec := serve(chatReq(system, true, false))
+		if !strings.Contains(eng.lastBody(), `"include_usage":true`) {
+			t.Fatalf("the engine was not asked for usage: %s", eng.lastBody())
+		}
+		out := rec.Body.String()
+		if strings.Contains(out, `"usage"`) {
+			t.Fatalf("the client got the usage chunk it did not ask for:\n%s", out)
+		}
+		if !strings.Contains(out, `"content":"a"`) || !strings.Contains(out, `"content":"b"`) || !strings.HasSuffix(out, "data: [DONE]\n\n") {
+			t.Fatalf("stream changed:\n%q", out)
+		}
+		if st := a.IndexStats(); st.Blocks != len(chain) {
+			t.Fatalf("index holds %d blocks, want the chain's %d", st.Blocks, len(chain))
+		}
+	})
+	t.Run("stream with usage asked", func(t *testing.T) {
+		rec := serve(chatReq(system, true, true))
+		if !strings.Contains(rec.Body.String(), `"cached_tokens":0`) {
+			t.Fatalf("the client lost the usage chunk it asked for:\n%s", rec.Body)
+		}
+	})
+	t.Run("correction from cached_tokens", func(t *testing.T) {
+		// The index believes the whole chain cached; the engine says none
+		// was: the capacity shrinks by the error.
+		before := a.IndexStats()
+		serve(chatReq(system, false, false))
+		st := a.IndexStats()
+		if st.Corrections <= before.Corrections || st.Capacity >= before.Capacity {
+			t.Fatalf("no correction: before %+v, after %+v", before, st)
+		}
+	})
+	t.Run("embeddings are not indexed", func(t *testing.T) {
+		before := a.IndexStats().Blocks
+		rec := httptest.NewRecorder()
+		a.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/embeddings", strings.NewReader(`{"model":"m","input":"`+strings.Repeat("x", 4096)+`"}`)))
+		if got := a.IndexStats().Blocks; got != before {
+			t.Fatalf("embeddings changed the index: %d -> %d", before, got)
+		}
+	})
+}
+
+func TestUsageBodyEventsAcrossReads(t *testing.T) {
+	stream := "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n" +
+		"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"prompt_tokens_details\":{\"cached_tokens\":7}}}\n\n" +
+		"data: [DONE]\n\n"
+	for _, strip := range []bool{false, true} {
+		for step := 1; step <= 7; step += 3 {
+			var got usage
+			b := &usageBody{rc: io.NopCloser(&trickle{s: stream, n: step}), sse: true, strip: strip, done: func(u usage) { got = u }}
+			out, err := io.ReadAll(b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !got.seen || got.prompt != 10 || got.cached != 7 {
+				t.Fatalf("step %d: usage %+v", step, got)
+			}
+			if strip == strings.Contains(string(out), "usage") || !strings.HasSuffix(string(out), "data: [DONE]\n\n") {
+				t.Fatalf("strip %v step %d: %q", strip, step, out)
+			}
+		}
+	}
+}
+
+// trickle returns s n bytes at a time.
+type trickle struct {
+	s string
+	n int
+}
+
+func (r *trickle) Read(p []byte) (int, error) {
+	if r.s == "" {
+		return 0, io.EOF
+	}
+	n := copy(p[:min(len(p), r.n)], r.s)
+	r.s = r.s[n:]
+	return n, nil
+}
+
+func TestParseKVCapacity(t *testing.T) {
+	cases := []struct {
+		name string
+		in   string
+		want int
+		ok   bool
+	}{
+		{"vllm", "# HELP vllm:cache_config_info x\nvllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",num_gpu_blocks=\"27000\",num_cpu_blocks=\"0\"} 1.0\n", 432000, true},
+		{"labels in another order", "vllm:cache_config_info{num_gpu_blocks=\"100\",block_size=\"32\"} 1\n", 3200, true},
+		{"missing blocks", "vllm:cache_config_info{block_size=\"16\"} 1\n", 0, false},
+		{"none", "vllm:num_requests_running 3\n", 0, false},
+		{"garbage", "vllm:cache_config_info{block_size=\"16\n", 0, false},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, ok := parseKVCapacity(strings.NewReader(tc.in))
+			if got != tc.want || ok != tc.ok {
+				t.Fatalf("got %d %v, want %d %v", got, ok, tc.want, tc.ok)
+			}
+		})
+	}
+}
+
+func TestEngineKVCapacityLlamaCpp(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/metrics", func(w http.ResponseWriter, r *http.Request) { http.NotFound(w, r) })
+	mux.HandleFunc("/props", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, `{"total_slots":4,"default_generation_settings":{"n_ctx":8192}}`)
+	})
+	a := newIndexedAgent(t, mux, 0)
+	got, err := a.engineKVCapacity(t.Context())
+	if err != nil || got != 4*8192 {
+		t.Fatalf("got %d, %v", got, err)
+	}
+}
+
+// FuzzUsageBody feeds arbitrary streams through the usage reader: it never
+// panics, passes everything on unchanged when not stripping, and only ever
+// drops whole events when stripping.
+func FuzzUsageBody(f *testing.F) {
+	f.Add([]byte("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"prompt_tokens_details\":{\"cached_tokens\":7}}}\n\ndata: [DONE]\n\n"), 3)
+	f.Add([]byte("data: {\"choices\":[{}],\"usage\":null}\n\n"), 1)
+	f.Add([]byte("\n\n\n\"usage\"\n\n"), 2)
+	f.Fuzz(func(t *testing.T, data []byte, step int) {
+		step = max(1, step%64+1)
+		for _, strip := range []bool{false, true} {
+			b := &usageBody{rc: io.NopCloser(&trickle{s: string(data), n: step}), sse: true, strip: strip, done: func(usage) {}}
+			out, err := io.ReadAll(b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !strip && !bytes.Equal(out, data) {
+				t.Fatalf("changed without stripping: %q -> %q", data, out)
+			}
+			if len(out) > len(data) {
+				t.Fatalf("output longer than input")
+			}
+		}
+		if out, ok := askUsage(data); ok && json.Valid(data) && !json.Valid(out) {
+			t.Fatalf("askUsage made invalid JSON of %q: %q", data, out)
+		}
+	})
+}
+
+// TestIndexCalibratesBytesPerToken: after 32 answers the index is resized
+// from the bytes per token its prompts measured.
+func TestIndexCalibratesBytesPerToken(t *testing.T) {
+	x := newPrefixIndex(IndexConfig{KVCapacityTokens: 64 * 1000}, zerolog.Nop())
+	if got := x.stats().Capacity; got != 1000 {
+		t.Fatalf("initial capacity %d blocks", got)
+	}
+	bb := scheduler.PrefixConfig{}.BlockBytes()
+	for i := range calibrationAnswers {
+		// 10 full blocks: about 10.5 x 256 bytes, for 336 tokens: 8 bytes a token.
+		chain := make([]uint64, 10)
+		for j := range chain {
+			chain[j] = uint64(i*100 + j + 1)
+		}
+		x.served(chain)
+		x.answered(chain, 21*bb/2/8, 0)
+	}
+	// 64,000 tokens x 8 bytes / 256 bytes a block.
+	if got := x.stats().Capacity; got < 1900 || got > 2100 {
+		t.Fatalf("capacity %d blocks after calibration, want about 2,000", got)
+	}
+}
