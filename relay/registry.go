@@ -415,6 +415,7 @@ func (e *entry) effectiveHealth() scheduler.Health {
 
 func cloneInfo(info transport.JoinInfo) transport.JoinInfo {
 	info.Models = slices.Clone(info.Models)
+	info.APIs = slices.Clone(info.APIs)
 	info.Relays = slices.Clone(info.Relays)
 	return info
 }

@@ -35,6 +35,9 @@ type Relay struct {
 	rt      http.RoundTripper
 	metrics *metrics
 	handler http.Handler
+	// responses maps Responses API ids to the agent holding them
+	// (responses.go), with the scheduler's session TTL and bound.
+	responses *responseStore
 
 	ops       *operator     // the operator's settings (operator.go)
 	providers *providerSet  // provider endpoints (providers.go)
@@ -85,6 +88,7 @@ func New(cfg Config) (*Relay, error) {
 	}
 	r.rttKick = make(chan struct{}, 1)
 	r.reg = newRegistry(sched, r.log)
+	r.responses = newResponseStore(sched.Config().SessionTTL, sched.Config().MaxSessions)
 	r.ops = newOperator(cfg.MaxAgentWeight)
 	r.reg.ops = r.ops
 	r.providers = newProviderSet(r)

@@ -52,6 +52,7 @@ const (
 
 	maxNameLen   = 128
 	maxModels    = 1024
+	maxAPIs      = 32
 	maxModelLen  = 256
 	maxReasonLen = 512
 	maxRelays    = 16
@@ -91,6 +92,10 @@ type JoinInfo struct {
 	Weight   float64  `json:"weight,omitempty"`   // 0 means 1
 	Capacity int      `json:"capacity,omitempty"` // max concurrent requests; 0 means unlimited
 	Draining bool     `json:"draining,omitempty"` // takes no new requests
+	// APIs are the request paths beyond chat, completions and embeddings
+	// that the agent's engine serves (e.g. /v1/responses, /v1/messages);
+	// the relay routes those paths only to agents that list them.
+	APIs []string `json:"apis,omitempty"`
 	// Relays are the multiaddrs (with /p2p/<ID>) of every relay the agent
 	// joins, this one included: relays learn their peers from them.
 	Relays []string `json:"relays,omitempty"`
@@ -595,6 +600,14 @@ func validateInfo(info JoinInfo) error {
 	for _, m := range info.Models {
 		if m == "" || len(m) > maxModelLen || !utf8.ValidString(m) {
 			return fmt.Errorf("join info: model IDs must be 1..%d bytes of UTF-8", maxModelLen)
+		}
+	}
+	if len(info.APIs) > maxAPIs {
+		return fmt.Errorf("join info: %d APIs exceed %d", len(info.APIs), maxAPIs)
+	}
+	for _, a := range info.APIs {
+		if len(a) < 2 || len(a) > maxModelLen || a[0] != '/' || !utf8.ValidString(a) {
+			return fmt.Errorf("join info: API paths must be 2..%d bytes starting with '/'", maxModelLen)
 		}
 	}
 	if math.IsNaN(info.Weight) || info.Weight < 0 || info.Weight > maxWeight {
