@@ -344,7 +344,12 @@ func (a *Agent) Run(ctx context.Context) error {
 		ListenAddrs: a.cfg.ListenAddrs,
 		Key:         a.key,
 		Logger:      a.log,
-		Options:     append(nat.Options(), a.cfg.HostOptions...),
+		// Strangers get no connection (so no identify), and peers learn
+		// only addresses they could use.
+		Options: append(append(nat.Options(),
+			libp2p.ConnectionGater(gater{a}),
+			libp2p.AddrsFactory(a.publicAddrs),
+		), a.cfg.HostOptions...),
 	})
 	if err != nil {
 		return fmt.Errorf("agent: %w", err)
@@ -403,6 +408,10 @@ func (a *Agent) stayJoined(ctx context.Context, h host.Host, l *relayLink) *tran
 		if err == nil {
 			a.log.Info().Str("relay", l.info.ID.String()).Msg("joined relay")
 			l.setMembership(m)
+			// The relay reserves circuits for joined peers only.
+			if nat := a.nat.Load(); nat != nil {
+				nat.SetJoined(l.info.ID, true)
+			}
 			// A relay that restarted forgot the members: join its gossip
 			// after every registration.
 			a.gossipRejoin()
@@ -414,6 +423,9 @@ func (a *Agent) stayJoined(ctx context.Context, h host.Host, l *relayLink) *tran
 				return m // ctx ended while joined
 			}
 			l.setMembership(nil)
+			if nat := a.nat.Load(); nat != nil {
+				nat.SetJoined(l.info.ID, false)
+			}
 			// A registration that lasted resets the backoff; one that
 			// breaks at once keeps growing it.
 			if time.Since(since) > a.cfg.MaxBackoff {

@@ -128,9 +128,12 @@ type JoinServer struct {
 	active map[network.Stream]struct{}
 	regs   map[peer.ID]*registration
 
-	wg     sync.WaitGroup
-	failed atomic.Uint64
-	once   sync.Once
+	lim *joinLimiter
+
+	wg      sync.WaitGroup
+	failed  atomic.Uint64
+	refused atomic.Uint64
+	once    sync.Once
 }
 
 // registration is one joined agent's open stream.
@@ -155,6 +158,7 @@ func ServeJoin(h host.Host, token []byte, jh JoinHandler) (io.Closer, error) {
 		jh:     jh,
 		active: make(map[network.Stream]struct{}),
 		regs:   make(map[peer.ID]*registration),
+		lim:    newJoinLimiter(),
 	}
 	h.SetStreamHandler(JoinProtocol, js.handle)
 	return js, nil
@@ -163,6 +167,13 @@ func ServeJoin(h host.Host, token []byte, jh JoinHandler) (io.Closer, error) {
 // Failed returns how many handshakes failed (bad proof, malformed or
 // rejected by the handler, or timed out).
 func (js *JoinServer) Failed() uint64 { return js.failed.Load() }
+
+// Refused returns how many join attempts were refused without a handshake
+// because their peer or address was backing off after failures: after
+// joinFreeFailures failed handshakes of a peer (joinAddrFreeFailures from an
+// IP address), each further failure doubles a back-off from 500 ms up to
+// 5 s during which that peer (address) is refused at once.
+func (js *JoinServer) Refused() uint64 { return js.refused.Load() }
 
 // Close stops accepting joins, ends every registration and waits for the
 // handler calls to finish. It is safe to call more than once.
@@ -198,9 +209,18 @@ func (js *JoinServer) handle(s network.Stream) {
 	}()
 
 	p := s.Conn().RemotePeer()
+	ip, hasIP := remoteIP(s.Conn().RemoteMultiaddr())
+	if ok, wait := js.lim.allow(p, ip, hasIP, time.Now()); !ok {
+		js.refused.Add(1)
+		_ = s.SetDeadline(time.Now().Add(handshakeTimeout))
+		_ = writeFrame(s, msgReject, []byte(backoffReason(wait)))
+		_ = s.Close()
+		return
+	}
 	info, reject, err := js.handshake(s, p)
 	if err != nil {
 		js.failed.Add(1)
+		js.lim.failed(p, ip, hasIP, time.Now())
 		if reject == "" {
 			_ = s.Reset()
 			return
@@ -240,6 +260,7 @@ func (js *JoinServer) handle(s network.Stream) {
 
 	if err := js.jh.Joined(p, info); err != nil {
 		js.failed.Add(1)
+		js.lim.failed(p, ip, hasIP, time.Now())
 		reason := err.Error()
 		if len(reason) > maxReasonLen {
 			reason = reason[:maxReasonLen]
@@ -249,6 +270,7 @@ func (js *JoinServer) handle(s network.Stream) {
 		_ = s.Close()
 		return
 	}
+	js.lim.succeeded(p, ip, hasIP)
 	js.h.ConnManager().Protect(p, protectTag)
 	defer js.h.ConnManager().Unprotect(p, protectTag)
 	defer js.jh.Left(p)
@@ -385,6 +407,11 @@ func Join(ctx context.Context, h host.Host, relay peer.ID, token []byte, info Jo
 	typ, body, err := readFrame(s)
 	if err != nil {
 		return fail(err)
+	}
+	if typ == msgReject {
+		// Refused before the handshake (back-off after failed joins).
+		_ = s.Close()
+		return nil, &RejectedError{Reason: string(bytes.ToValidUTF8(body, []byte("?")))}
 	}
 	if typ != msgChallenge || len(body) != nonceSize {
 		return fail(errBadFrame)
