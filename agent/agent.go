@@ -199,7 +199,11 @@ type Agent struct {
 	engineOK bool
 	failures int
 	metrics  EngineMetrics
-	changed  chan struct{} // signalled (capacity 1) when info changes
+	engine   EngineInfo // what identify found (engine.go)
+	// identified is set once the engine was identified since it last
+	// became available.
+	identified bool
+	changed    chan struct{} // signalled (capacity 1) when info changes
 }
 
 // New checks cfg, loads the token and the identity, and returns an Agent
@@ -271,6 +275,29 @@ func (a *Agent) Metrics() EngineMetrics {
 	return a.metrics
 }
 
+// Engine returns what the agent recognised of its engine; the zero value
+// until the engine first answered.
+func (a *Agent) Engine() EngineInfo {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	e := a.engine
+	e.APIs = slices.Clone(e.APIs)
+	return e
+}
+
+// KVCapacityTokens returns how many tokens the engine's KV cache holds, as
+// the engine itself reports it (see EngineInfo.KVCapacityTokens and
+// EngineMetrics.KVCapacityTokens, the live figure winning); 0 when the
+// engine does not say.
+func (a *Agent) KVCapacityTokens() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.metrics.KVCapacityTokens > 0 {
+		return a.metrics.KVCapacityTokens
+	}
+	return a.engine.KVCapacityTokens
+}
+
 // Info returns what the agent currently reports to its relay.
 func (a *Agent) Info() transport.JoinInfo {
 	a.mu.Lock()
@@ -283,6 +310,7 @@ func (a *Agent) Info() transport.JoinInfo {
 		// An engine that does not answer makes the agent unavailable: the
 		// relay routes elsewhere instead of sending requests that fail.
 		Draining: a.draining.Load() || !a.engineOK,
+		APIs:     slices.Clone(a.engine.APIs),
 		Relays:   a.cfg.relayAddrs(),
 	}
 }
@@ -316,7 +344,12 @@ func (a *Agent) Run(ctx context.Context) error {
 		ListenAddrs: a.cfg.ListenAddrs,
 		Key:         a.key,
 		Logger:      a.log,
-		Options:     append(nat.Options(), a.cfg.HostOptions...),
+		// Strangers get no connection (so no identify), and peers learn
+		// only addresses they could use.
+		Options: append(append(nat.Options(),
+			libp2p.ConnectionGater(gater{a}),
+			libp2p.AddrsFactory(a.publicAddrs),
+		), a.cfg.HostOptions...),
 	})
 	if err != nil {
 		return fmt.Errorf("agent: %w", err)
@@ -375,6 +408,10 @@ func (a *Agent) stayJoined(ctx context.Context, h host.Host, l *relayLink) *tran
 		if err == nil {
 			a.log.Info().Str("relay", l.info.ID.String()).Msg("joined relay")
 			l.setMembership(m)
+			// The relay reserves circuits for joined peers only.
+			if nat := a.nat.Load(); nat != nil {
+				nat.SetJoined(l.info.ID, true)
+			}
 			// A relay that restarted forgot the members: join its gossip
 			// after every registration.
 			a.gossipRejoin()
@@ -386,6 +423,9 @@ func (a *Agent) stayJoined(ctx context.Context, h host.Host, l *relayLink) *tran
 				return m // ctx ended while joined
 			}
 			l.setMembership(nil)
+			if nat := a.nat.Load(); nat != nil {
+				nat.SetJoined(l.info.ID, false)
+			}
 			// A registration that lasted resets the backoff; one that
 			// breaks at once keeps growing it.
 			if time.Since(since) > a.cfg.MaxBackoff {
@@ -454,7 +494,8 @@ func (a *Agent) serveMembership(ctx context.Context, m *transport.Membership, l 
 
 func infoEqual(x, y transport.JoinInfo) bool {
 	return x.Name == y.Name && slices.Equal(x.Models, y.Models) && x.Weight == y.Weight &&
-		x.Capacity == y.Capacity && x.Draining == y.Draining && slices.Equal(x.Relays, y.Relays)
+		x.Capacity == y.Capacity && x.Draining == y.Draining && slices.Equal(x.APIs, y.APIs) &&
+		slices.Equal(x.Relays, y.Relays)
 }
 
 // drain reports the agent draining (join update and gossip metadata), waits
@@ -533,18 +574,42 @@ func (a *Agent) kickRefresh() {
 
 // refresh reads the engine's model list and metrics once.
 func (a *Agent) refresh(ctx context.Context) {
-	models, err := a.discoverModels(ctx)
+	models, ownedBy, err := a.discoverModels(ctx)
+	a.mu.Lock()
+	identify := err == nil && !a.identified
+	a.mu.Unlock()
+	var eng EngineInfo
+	if identify {
+		ictx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
+		p := &engineProber{client: a.client, base: a.upstream, authorize: a.authorize}
+		eng = p.identify(ictx, ownedBy)
+		cancel()
+		if eng.Kind == EngineUnknown {
+			a.log.Warn().Str("upstream", a.upstream.Redacted()).
+				Msg("engine not recognised (not vLLM, SGLang, TGI, llama.cpp or Ollama): serving its OpenAI endpoints with models only, no load figures")
+		} else {
+			a.log.Info().Str("engine", string(eng.Kind)).Str("version", eng.Version).
+				Int("kv_capacity_tokens", eng.KVCapacityTokens).Strs("apis", eng.APIs).Str("evidence", eng.Evidence).
+				Msg("engine recognised: " + eng.describe())
+		}
+	}
 	var met EngineMetrics
 	var metErr error
 	if err == nil {
-		met, metErr = a.scrapeMetrics(ctx)
+		met, metErr = a.scrapeLoad(ctx, eng, identify)
 	}
 	a.mu.Lock()
+	if identify {
+		a.engine, a.identified = eng, true
+	}
 	wasOK, before := a.engineOK, a.models
 	if err != nil {
 		a.failures++
 		if a.failures >= a.cfg.EngineFailures {
 			a.engineOK = false
+		}
+		if !a.engineOK {
+			a.identified = false // identify again when it is back: it may be another engine
 		}
 	} else {
 		a.failures = 0
@@ -563,7 +628,7 @@ func (a *Agent) refresh(ctx context.Context) {
 	if err == nil {
 		a.refreshKVCapacity(ctx)
 	}
-	if wasOK != nowOK || !slices.Equal(before, after) {
+	if wasOK != nowOK || !slices.Equal(before, after) || identify {
 		if nowOK {
 			a.log.Info().Strs("models", after).Msg("engine available")
 		} else {
@@ -573,33 +638,39 @@ func (a *Agent) refresh(ctx context.Context) {
 	}
 }
 
-// discoverModels returns the sorted model IDs of the engine's GET /v1/models.
-func (a *Agent) discoverModels(ctx context.Context) ([]string, error) {
+// discoverModels returns the sorted model IDs of the engine's GET
+// /v1/models and the owned_by of the first (a hint of the engine's kind).
+func (a *Agent) discoverModels(ctx context.Context) ([]string, string, error) {
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, a.upstream.JoinPath("/v1/models").String(), nil)
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	a.authorize(req.Header)
 	resp, err := a.client.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("GET /v1/models: %w", err)
+		return nil, "", fmt.Errorf("GET /v1/models: %w", err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
-		return nil, fmt.Errorf("GET /v1/models: status %d", resp.StatusCode)
+		return nil, "", fmt.Errorf("GET /v1/models: status %d", resp.StatusCode)
 	}
 	var list struct {
 		Data []struct {
-			ID string `json:"id"`
+			ID      string `json:"id"`
+			OwnedBy string `json:"owned_by"`
 		} `json:"data"`
 	}
 	if err := json.NewDecoder(io.LimitReader(resp.Body, 8<<20)).Decode(&list); err != nil {
-		return nil, fmt.Errorf("GET /v1/models: %w", err)
+		return nil, "", fmt.Errorf("GET /v1/models: %w", err)
 	}
 	var ids []string
+	var ownedBy string
+	if len(list.Data) > 0 {
+		ownedBy = list.Data[0].OwnedBy
+	}
 	for _, d := range list.Data {
 		if d.ID != "" && len(d.ID) <= 256 && !slices.Contains(ids, d.ID) {
 			ids = append(ids, d.ID)
@@ -609,7 +680,7 @@ func (a *Agent) discoverModels(ctx context.Context) ([]string, error) {
 	if len(ids) > 1024 {
 		ids = ids[:1024]
 	}
-	return ids, nil
+	return ids, ownedBy, nil
 }
 
 // scrapeMetrics reads the engine's Prometheus /metrics. Engines without one

@@ -94,6 +94,9 @@ func (a *Agent) startGossip(ctx context.Context, h host.Host, wg *sync.WaitGroup
 		// able to probe us (indirect probes included).
 		Admit:        a.isRelay,
 		AdmitMembers: true,
+		// Only our relays' word about other members counts; they are
+		// believed about themselves alone.
+		Trusted: relayIDs(a.relayInfos()),
 		// Other agents sit behind NAT too: reach them through the relay's
 		// circuit; libp2p moves the connection to a direct path when hole
 		// punching succeeds, and later streams take it.
@@ -301,4 +304,12 @@ func (a *Agent) Host() host.Host {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.host
+}
+
+func relayIDs(infos []peer.AddrInfo) []peer.ID {
+	out := make([]peer.ID, 0, len(infos))
+	for _, ai := range infos {
+		out = append(out, ai.ID)
+	}
+	return out
 }

@@ -23,6 +23,11 @@ var errNoKVCapacity = errors.New("the engine reports no KV-cache capacity")
 // /props (total_slots x the per-slot context). It is the one place that
 // knows engines' capacity figures; add others here.
 func (a *Agent) engineKVCapacity(ctx context.Context) (int, error) {
+	// What the engine's identification and load figures found (engine.go:
+	// vLLM, SGLang, TGI, llama.cpp, Ollama) comes first.
+	if n := a.KVCapacityTokens(); n > 0 {
+		return n, nil
+	}
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
 	defer cancel()
 	if body, err := a.engineGet(ctx, "/metrics"); err == nil {

@@ -86,6 +86,9 @@ func (a *Agent) newProxy() http.Handler {
 // 404. It is the handler given to transport.ServeHTTP.
 func (a *Agent) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	method, ok := servedPaths[r.URL.Path]
+	if !ok {
+		method, ok = a.optionalRoute(r.URL.Path, r.Method) // engine.go
+	}
 	if !ok || r.URL.RawPath != "" {
 		writeError(w, http.StatusNotFound, "not_found", "this agent serves only the OpenAI inference endpoints")
 		return

@@ -17,6 +17,7 @@ type Error struct {
 	Type       string        // OpenAI error type, e.g. "invalid_request_error"
 	Code       string        // OpenAI error code, e.g. "model_not_found"
 	Message    string        // human-readable text
+	Param      string        // the request field at fault; empty for none (null)
 	RetryAfter time.Duration // sent as Retry-After when positive
 	Allow      string        // sent as Allow when set (405)
 	Err        error         // cause, for logs and errors.Is; never shown to clients
@@ -114,9 +115,30 @@ func writeError(w http.ResponseWriter, err error) *Error {
 		h.Set("Allow", e.Allow)
 	}
 	w.WriteHeader(e.Status)
-	b, _ := json.Marshal(errorBody{Error: errorObject{Message: e.Message, Type: e.Type, Code: e.Code}})
-	_, _ = w.Write(append(b, '\n'))
+	_, _ = w.Write(append(errorJSON(e), '\n'))
 	return e
+}
+
+// errorJSON is e in OpenAI's error envelope; an empty Param or Code is
+// null, as OpenAI sends them.
+func errorJSON(e *Error) []byte {
+	var v struct {
+		Error struct {
+			Message string  `json:"message"`
+			Type    string  `json:"type"`
+			Param   *string `json:"param"`
+			Code    *string `json:"code"`
+		} `json:"error"`
+	}
+	v.Error.Message, v.Error.Type = e.Message, e.Type
+	if e.Param != "" {
+		v.Error.Param = &e.Param
+	}
+	if e.Code != "" {
+		v.Error.Code = &e.Code
+	}
+	b, _ := json.Marshal(&v)
+	return b
 }
 
 // streamErrorEvent is the server-sent event that ends a stream that failed

@@ -261,10 +261,9 @@ type relayGossip struct {
 }
 
 // startP2PAdmission watches the relay host's connections for peers that
-// connect without joining: Registry.Admitted lets them reserve a circuit
-// slot for AdmitGrace, and the sweep then disconnects those that still
-// have not joined, so that nobody uses the relay's circuits without the
-// token for longer than that.
+// connect without joining and disconnects those that still have not joined
+// after AdmitGrace. They get nothing meanwhile: no circuit reservation, no
+// circuit, no gossip (Registry.Admitted, GossipAdmitted).
 func (r *Relay) startP2PAdmission(relays map[peer.ID]bool) {
 	nb := &network.NotifyBundle{
 		ConnectedF: func(_ network.Network, c network.Conn) {
@@ -315,6 +314,13 @@ func (r *Relay) startGossip() error {
 		Preset: gc.Preset,
 		Tune:   gc.Tune,
 		Admit:  func(p peer.ID) bool { return rg.relays[p] || r.reg.GossipAdmitted(p) || r.peerAdmitted(p) },
+		// Configured peer relays pass on what they heard; agents are
+		// believed only about themselves, and one caught forging is cut
+		// off. Session-sharing peers (peerAdmitted) prove only the join
+		// secret, as agents do, so they too are believed only about
+		// themselves.
+		Trusted:  peerIDs(gc.Relays),
+		OnForged: r.forged,
 		MetaSource: func() transport.NodeMeta {
 			return transport.NodeMeta{Role: transport.NodeRoleRelay, Draining: r.draining.Load()}
 		},
@@ -334,6 +340,14 @@ func (r *Relay) startGossip() error {
 	r.log.Info().Str("preset", presetName(gc.Preset)).Dur("probe_interval", mc.ProbeInterval).
 		Dur("probe_timeout", mc.ProbeTimeout).Int("suspicion_mult", mc.SuspicionMult).Msg("gossip started")
 	return nil
+}
+
+func peerIDs(infos []peer.AddrInfo) []peer.ID {
+	out := make([]peer.ID, 0, len(infos))
+	for _, ai := range infos {
+		out = append(out, ai.ID)
+	}
+	return out
 }
 
 func presetName(p string) string {

@@ -50,7 +50,7 @@ type reqLog struct {
 // writeError.
 func (r *Relay) serveHTTP(w http.ResponseWriter, req *http.Request) {
 	switch req.URL.Path {
-	case "/v1/chat/completions", "/v1/completions", "/v1/embeddings":
+	case "/v1/chat/completions", "/v1/completions", "/v1/embeddings", pathResponses, pathMessages:
 		if req.Method != http.MethodPost {
 			writeError(w, errMethod(req.Method, "POST"))
 			return
@@ -75,6 +75,10 @@ func (r *Relay) serveHTTP(w http.ResponseWriter, req *http.Request) {
 				return
 			}
 			r.serveModel(w, id)
+			return
+		}
+		if rest, ok := strings.CutPrefix(req.URL.Path, pathResponses+"/"); ok && rest != "" {
+			r.serveStoredResponse(w, req, rest) // responses.go
 			return
 		}
 		writeError(w, errNotFound(req.URL.Path))

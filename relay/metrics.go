@@ -20,7 +20,8 @@ type metrics struct {
 	retries  prometheus.Counter
 	failures *prometheus.CounterVec // failed attempts before the first byte, by agent
 	routable prometheus.Gauge
-	index    *indexMetrics // prefix index traffic (prefix.go)
+	forged   prometheus.Counter // peers cut off for forged gossip
+	index    *indexMetrics      // prefix index traffic (prefix.go)
 	relay    *Relay
 }
 
@@ -62,8 +63,12 @@ func newMetrics(r *Relay) *metrics {
 			Name: "computeflux_agents_routable",
 			Help: "Joined agents that may take new requests (not draining, not dead, serving a model).",
 		}),
+		forged: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "computeflux_gossip_forgeries_total",
+			Help: "Joined peers cut off because they sent gossip no honest member sends.",
+		}),
 	}
-	m.reg.MustRegister(m.requests, m.affinity, m.ttfb, m.duration, m.retries, m.failures, m.routable,
+	m.reg.MustRegister(m.requests, m.affinity, m.ttfb, m.duration, m.retries, m.failures, m.routable, m.forged,
 		schedulerCollector{r: r},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))

@@ -73,7 +73,11 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	r.installBinding(session)
 	blocks := r.promptBlocks(body) // prefix.go
 	defer releaseBlocks(blocks)
-	att := r.sched.Begin(scheduler.Request{Model: rt.model, SessionKey: session, Prefix: *blocks})
+	sr := scheduler.Request{Model: rt.model, SessionKey: session, Prefix: *blocks}
+	if w, err = r.routeAPI(w, req, body, rt.model, &sr); err != nil { // responses.go
+		return err
+	}
+	att := r.sched.Begin(sr)
 	var (
 		lastErr        error
 		failures       int
@@ -333,7 +337,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	case errors.Is(cause, ErrBadUpstream):
 		msg, code = "The agent sent a malformed event", "upstream_invalid"
 	}
-	_ = cp.writeEvent(streamErrorEvent(msg, code))
+	_ = cp.writeEvent(streamErrorEventFor(req.URL.Path, msg, code))
 	return attemptResult{committed: true, err: cause}
 }
 

@@ -54,13 +54,14 @@ type Registry struct {
 	members map[peer.ID]*gossipPeer
 	// leftAt holds when recent registrations ended (see GossipAdmitted).
 	leftAt map[peer.ID]time.Time
+	// banned holds peers cut off for forged gossip, until when (forgery.go).
+	banned map[peer.ID]time.Time
 }
 
-// AdmitGrace is how long a peer connected to the relay but not joined may
-// reserve a circuit relay slot (Registry.Admitted): agents ask for their
-// reservation as soon as they connect, concurrently with the join handshake,
-// and a refusal would cost them the reservation backoff. A peer still not
-// joined after it is disconnected (see Relay).
+// AdmitGrace is how long a peer may stay connected to the relay without
+// joining; it is then disconnected (see Relay). It grants nothing: circuit
+// reservations and circuits are for joined peers only (Registry.Admitted),
+// and agents ask for their reservation once joined.
 const AdmitGrace = 15 * time.Second
 
 // entry is one joined agent.
@@ -103,22 +104,20 @@ func newRegistry(s *scheduler.Scheduler, log zerolog.Logger) *Registry {
 		pending: make(map[peer.ID]time.Time),
 		members: make(map[peer.ID]*gossipPeer),
 		leftAt:  make(map[peer.ID]time.Time),
+		banned:  make(map[peer.ID]time.Time),
 	}
 }
 
-// Admitted reports whether peer p may use the relay's circuit relay service
-// and gossip: it is joined, or it connected less than AdmitGrace ago and has
-// not joined yet (mid-join: its reservation request races the handshake). It
-// never blocks on I/O; the NAT options call it for every reservation and
-// circuit. Gossip admits joined peers only (see Joined).
+// Admitted reports whether peer p may use the relay's circuit relay service:
+// it holds a registration. There is no grace for a peer that is still
+// joining, or a peer without the token could hold a reservation and open
+// circuits for the grace of every connection it makes. It never blocks on
+// I/O; the NAT options call it for every reservation and circuit (both ends).
 func (g *Registry) Admitted(p peer.ID) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if _, ok := g.byPeer[p]; ok {
-		return true
-	}
-	since, ok := g.pending[p]
-	return ok && time.Since(since) < AdmitGrace
+	_, ok := g.byPeer[p]
+	return ok
 }
 
 // IsJoined reports whether peer p holds a registration (gossip's Admit).
@@ -179,6 +178,10 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 		return fmt.Errorf("%w: %q is a provider endpoint", ErrNameTaken, info.Name)
 	}
 	g.mu.Lock()
+	if g.isBannedLocked(p, time.Now()) {
+		g.mu.Unlock()
+		return ErrBanned
+	}
 	if e, ok := g.byName[info.Name]; ok && e.peer != p {
 		g.mu.Unlock()
 		g.log.Warn().Str("agent", info.Name).Stringer("peer", p).Stringer("owner", e.peer).Msg("join rejected: name taken")
@@ -412,6 +415,7 @@ func (e *entry) effectiveHealth() scheduler.Health {
 
 func cloneInfo(info transport.JoinInfo) transport.JoinInfo {
 	info.Models = slices.Clone(info.Models)
+	info.APIs = slices.Clone(info.APIs)
 	info.Relays = slices.Clone(info.Relays)
 	return info
 }

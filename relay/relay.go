@@ -35,6 +35,9 @@ type Relay struct {
 	rt      http.RoundTripper
 	metrics *metrics
 	handler http.Handler
+	// responses maps Responses API ids to the agent holding them
+	// (responses.go), with the scheduler's session TTL and bound.
+	responses *responseStore
 
 	ops       *operator     // the operator's settings (operator.go)
 	providers *providerSet  // provider endpoints (providers.go)
@@ -50,6 +53,8 @@ type Relay struct {
 	gossip *relayGossip // nil when gossip is off or without a host
 	live   *liveness    // request-path liveness; nil without our own libp2p round tripper
 	peers  *peerManager // nil when sharing with peer relays is off or without a host
+	// circuits counts the circuit relay service's work (own host only).
+	circuits transport.RelayCounters
 	// draining is set once the relay starts stopping; gossip publishes it.
 	draining atomic.Bool
 	// bgCtx ends when Close starts; bgWG waits for the goroutines it bounds.
@@ -83,6 +88,7 @@ func New(cfg Config) (*Relay, error) {
 	}
 	r.rttKick = make(chan struct{}, 1)
 	r.reg = newRegistry(sched, r.log)
+	r.responses = newResponseStore(sched.Config().SessionTTL, sched.Config().MaxSessions)
 	r.ops = newOperator(cfg.MaxAgentWeight)
 	r.reg.ops = r.ops
 	r.providers = newProviderSet(r)
@@ -101,6 +107,7 @@ func New(cfg Config) (*Relay, error) {
 				Admit:       r.reg.Admitted,
 				PublicCIDRs: cfg.PublicCIDRs,
 				Limits:      cfg.RelayLimits,
+				Counters:    &r.circuits,
 			})
 			if err != nil {
 				return nil, fmt.Errorf("relay: %w", err)
@@ -182,6 +189,11 @@ func New(cfg Config) (*Relay, error) {
 // Handler returns the relay's HTTP handler: the OpenAI API, /healthz and
 // /metrics.
 func (r *Relay) Handler() http.Handler { return r.handler }
+
+// CircuitStats returns what the relay's circuit relay service granted,
+// refused and carried since it started (zero with NoP2P or an embedder's
+// host).
+func (r *Relay) CircuitStats() transport.RelayCircuitStats { return r.circuits.Stats() }
 
 // Registry returns the table of joined agents (for failure detection and
 // tests).

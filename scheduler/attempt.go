@@ -13,6 +13,12 @@ type Request struct {
 	Model string
 	// SessionKey identifies the conversation; empty means none.
 	SessionKey string
+	// Allow, when non-nil, is a hard constraint: only endpoints for which
+	// it returns true may serve (the one engine that stores a response the
+	// request continues, or those whose engine serves the request's API).
+	// It is called with the scheduler's lock held: it must be fast and must
+	// not call the scheduler.
+	Allow func(endpointID string) bool
 	// Prefix is the block-hash chain of the request's prompt (see
 	// PromptBlocks); nil means none. With the sticky policy, a request
 	// without a live session mapping goes where its prefix is cached,
@@ -117,11 +123,13 @@ const (
 	ExclusionUsedKey
 	// ExclusionModel: it does not serve the requested model.
 	ExclusionModel
+	// ExclusionAllow: the request's Allow constraint rejects it.
+	ExclusionAllow
 )
 
 // String returns a short lower-case name.
 func (x Exclusion) String() string {
-	return [...]string{"none", "disabled", "dead-key", "used-key", "model"}[min(int(x), 4)]
+	return [...]string{"none", "disabled", "dead-key", "used-key", "model", "allow"}[min(int(x), 5)]
 }
 
 // Attempt is the per-request state: the exclusions learned from earlier
@@ -187,6 +195,8 @@ func (a *Attempt) exclusion(e *endpoint, checkModel bool) Exclusion {
 		return ExclusionUsedKey
 	case checkModel && !e.serves(a.req.Model):
 		return ExclusionModel
+	case a.req.Allow != nil && !a.req.Allow(e.id):
+		return ExclusionAllow
 	}
 	return ExclusionNone
 }

@@ -1,9 +1,9 @@
 package scheduler
 
 import (
-	"fmt"
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 	"time"

@@ -62,7 +62,7 @@ func compareScores(a, b float64) int {
 // pickScored returns the admitted endpoint with the best sticky score.
 func (a *Attempt) pickScored(g *group, now int64) *endpoint {
 	sel := selector{s: a.s, byInFlight: true}
-	clean := len(a.dead)+len(a.used)+len(a.failed) == 0
+	clean := len(a.dead)+len(a.used)+len(a.failed) == 0 && a.req.Allow == nil
 	sc := a.s.scoreContext(now)
 	for _, e := range g.eps {
 		// Fast path for the common case, equivalent to admit: a closed

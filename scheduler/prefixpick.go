@@ -70,7 +70,7 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 	key := chain[min(hrwBlocks, len(chain))-1]
 
 	sc := s.scoreContext(now)
-	clean := len(a.dead)+len(a.used)+len(a.failed) == 0
+	clean := len(a.dead)+len(a.used)+len(a.failed) == 0 && a.req.Allow == nil
 	minLoad, maxLoad := -1, 0
 	waiting, inFlight := 0, 0
 	for _, e := range g.eps {

@@ -153,6 +153,17 @@ type GossipConfig struct {
 	// AdmitMembers also admits peers that are currently members (learned
 	// from admitted peers). Agents set it so they can probe each other.
 	AdmitMembers bool
+	// Trusted are the members whose word about other members counts: an
+	// agent trusts its relay, a relay its peer relays. Every other member
+	// is believed only about itself (its alive and metadata, its leave);
+	// what it says about others is dropped before memberlist sees it, and a
+	// claim no honest member makes gets it cut off (see gossipGuard). Nil
+	// trusts nobody: members then learn of each other only first-hand.
+	Trusted []peer.ID
+	// OnForged, if set, hears of a member caught sending forged gossip,
+	// with the reason; Gossip has already logged it and stopped admitting
+	// it. Called from the transport: it must not block.
+	OnForged func(p peer.ID, reason string)
 	// Resolve returns addresses for an unconnected peer; nil = the peerstore.
 	// Agents return /p2p/<relay>/p2p-circuit/p2p/<peer> addresses.
 	Resolve func(peer.ID) []ma.Multiaddr
@@ -221,7 +232,10 @@ type Gossip struct {
 	suspicionMult, suspicionMaxMult int
 	probeInterval                   time.Duration
 
-	mu        sync.Mutex // guards the following fields
+	guard *gossipGuard
+
+	mu        sync.Mutex           // guards the following fields
+	banned    map[peer.ID]struct{} // caught forging: no longer admitted
 	members   map[peer.ID]*gossipEntry
 	incarn    map[peer.ID]uint32    // latest incarnation seen in an alive message
 	leftSeen  map[peer.ID]time.Time // a dead message sent by the member itself
@@ -258,6 +272,7 @@ func NewGossip(cfg GossipConfig) (*Gossip, error) {
 		members:  make(map[peer.ID]*gossipEntry),
 		incarn:   make(map[peer.ID]uint32),
 		leftSeen: make(map[peer.ID]time.Time),
+		banned:   make(map[peer.ID]struct{}),
 		wake:     make(chan struct{}, 1),
 		metaNow:  make(chan struct{}, 1),
 		done:     make(chan struct{}),
@@ -267,16 +282,21 @@ func NewGossip(cfg GossipConfig) (*Gossip, error) {
 		cfg.Tune(mlc)
 	}
 	g.suspicionMult, g.suspicionMaxMult, g.probeInterval = mlc.SuspicionMult, mlc.SuspicionMaxTimeoutMult, mlc.ProbeInterval
-	admit := cfg.Admit
-	if cfg.AdmitMembers {
-		admit = func(p peer.ID) bool { return cfg.Admit(p) || g.Known(p) }
+	g.guard = newGossipGuard(g.self, cfg.Trusted)
+	admit := func(p peer.ID) bool {
+		if g.isBanned(p) {
+			return false
+		}
+		return cfg.Admit(p) || (cfg.AdmitMembers && g.Known(p))
 	}
 	tr, err := NewGossipTransport(GossipTransportConfig{
-		Host:    cfg.Host,
-		Admit:   admit,
-		Resolve: cfg.Resolve,
-		Logger:  cfg.Logger,
-		observe: g.observe,
+		Host:     cfg.Host,
+		Admit:    admit,
+		Resolve:  cfg.Resolve,
+		Logger:   cfg.Logger,
+		observe:  g.observe,
+		guard:    g.guard,
+		onForged: g.forgedBy,
 	})
 	if err != nil {
 		return nil, err
@@ -316,6 +336,41 @@ func NewGossip(cfg GossipConfig) (*Gossip, error) {
 	go g.dispatch()
 	go g.metaLoop()
 	return g, nil
+}
+
+// isBanned reports whether p was caught forging.
+func (g *Gossip) isBanned(p peer.ID) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	_, ok := g.banned[p]
+	return ok
+}
+
+// forgedBy cuts off a member caught forging: it is no longer admitted (its
+// packet stream was reset by the transport), and OnForged is told.
+func (g *Gossip) forgedBy(p peer.ID, reason string) {
+	g.mu.Lock()
+	_, again := g.banned[p]
+	g.banned[p] = struct{}{}
+	g.mu.Unlock()
+	if again {
+		return
+	}
+	g.log.Warn().Stringer("peer", p).Str("reason", reason).Msg("member sent forged gossip; cut off")
+	if g.cfg.OnForged != nil {
+		g.cfg.OnForged(p, reason)
+	}
+}
+
+// Banned returns the members cut off for forged gossip.
+func (g *Gossip) Banned() []peer.ID {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	out := make([]peer.ID, 0, len(g.banned))
+	for p := range g.banned {
+		out = append(out, p)
+	}
+	return out
 }
 
 // Self returns our peer ID (our memberlist node name).

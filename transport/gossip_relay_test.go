@@ -65,6 +65,7 @@ func TestGossipOverCircuit(t *testing.T) {
 			cfg.Admit = func(p peer.ID) bool { return p == rh.ID() }
 			cfg.AdmitMembers = true
 			cfg.Resolve = circuit
+			cfg.Trusted = []peer.ID{rh.ID()}
 		}
 		g, err := NewGossip(cfg)
 		if err != nil {

@@ -130,6 +130,7 @@ func newGossipCluster(t testing.TB, cfg gossipClusterConfig) []*gossipNode {
 			Preset:     cfg.preset,
 			Tune:       cfg.tune,
 			Admit:      admit,
+			Trusted:    ids,
 			Resolve:    resolve,
 			MetaSource: func() NodeMeta { return *n.meta.Load() },
 			OnEvent:    n.rec.on,

@@ -60,9 +60,15 @@ type GossipTransportConfig struct {
 	// streamPerPacket opens one short stream per packet instead of one
 	// long-lived stream per peer (kept for the framing benchmark).
 	streamPerPacket bool
-	// observe sees every packet sent and received (Gossip uses it to
-	// surface suspicion, which memberlist does not expose).
+	// observe sees every packet sent and every packet received after the
+	// guard (Gossip uses it to surface suspicion, which memberlist does not
+	// expose).
 	observe func(b []byte)
+	// guard, when set, filters what members say about each other (see
+	// gossipGuard); onForged hears of a peer caught forging, whose packet
+	// stream is then reset. Both are set by NewGossip.
+	guard    *gossipGuard
+	onForged func(p peer.ID, reason string)
 }
 
 // GossipStats are counters of a GossipTransport since it started.
@@ -78,12 +84,17 @@ type GossipStats struct {
 	// Rejected counts inbound gossip streams reset because the peer was not
 	// admitted, plus outbound packets and dials refused for the same reason.
 	Rejected uint64
+	// Filtered counts received packets and push/pull exchanges from which
+	// claims about other members were removed (see gossipGuard); Forged
+	// counts those that proved their sender forges.
+	Filtered, Forged uint64
 }
 
 type gossipCounters struct {
 	packetsSent, packetsReceived, packetsDropped atomic.Uint64
 	bytesSent, bytesReceived                     atomic.Uint64
 	streamsOpened, streamsAccepted, rejected     atomic.Uint64
+	filtered, forged                             atomic.Uint64
 }
 
 // GossipTransport is a memberlist.NodeAwareTransport over libp2p streams.
@@ -211,6 +222,8 @@ func (t *GossipTransport) Stats() GossipStats {
 		StreamsOpened:   t.c.streamsOpened.Load(),
 		StreamsAccepted: t.c.streamsAccepted.Load(),
 		Rejected:        t.c.rejected.Load(),
+		Filtered:        t.c.filtered.Load(),
+		Forged:          t.c.forged.Load(),
 	}
 }
 
@@ -244,6 +257,23 @@ func (t *GossipTransport) WriteToAddress(b []byte, addr memberlist.Address) (tim
 	if t.cfg.observe != nil {
 		t.cfg.observe(b)
 	}
+	if t.cfg.guard != nil {
+		// Our own alive and leave also go to the trusted members first-hand:
+		// they believe no one else about us.
+		for q, msgs := range t.cfg.guard.outgoing(p, b) {
+			if !t.cfg.Admit(q) {
+				continue
+			}
+			for _, m := range msgs {
+				_ = t.enqueue(q, m)
+			}
+		}
+	}
+	return now, t.enqueue(p, b)
+}
+
+// enqueue queues one packet for p.
+func (t *GossipTransport) enqueue(p peer.ID, b []byte) error {
 	frame := make([]byte, 2+len(b))
 	binary.BigEndian.PutUint16(frame, uint16(len(b)))
 	copy(frame[2:], b)
@@ -251,7 +281,7 @@ func (t *GossipTransport) WriteToAddress(b []byte, addr memberlist.Address) (tim
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
-		return now, fmt.Errorf("transport: gossip: %w", net.ErrClosed)
+		return fmt.Errorf("transport: gossip: %w", net.ErrClosed)
 	}
 	s := t.senders[p]
 	if s == nil {
@@ -265,7 +295,7 @@ func (t *GossipTransport) WriteToAddress(b []byte, addr memberlist.Address) (tim
 	default:
 		t.c.packetsDropped.Add(1)
 	}
-	return now, nil
+	return nil
 }
 
 // gossipSender writes one peer's packets in order on a long-lived stream.
@@ -440,7 +470,8 @@ func (t *GossipTransport) handlePacketStream(st network.Stream) {
 		return
 	}
 	defer t.release(st)
-	from := t.remember(st.Conn().RemotePeer())
+	remote := st.Conn().RemotePeer()
+	from := t.remember(remote)
 	r := bufio.NewReaderSize(st, 4096)
 	var hdr [2]byte
 	for {
@@ -462,6 +493,21 @@ func (t *GossipTransport) handlePacketStream(st network.Stream) {
 		now := time.Now()
 		t.c.packetsReceived.Add(1)
 		t.c.bytesReceived.Add(uint64(len(buf)))
+		if t.cfg.guard != nil {
+			out, forged := t.cfg.guard.filterPacket(remote, buf)
+			if forged != "" {
+				t.forged(remote, forged)
+				st.Reset()
+				return
+			}
+			if len(out) != len(buf) {
+				t.c.filtered.Add(1)
+			}
+			if out == nil {
+				continue
+			}
+			buf = out
+		}
 		if t.cfg.observe != nil {
 			t.cfg.observe(buf)
 		}
@@ -470,6 +516,14 @@ func (t *GossipTransport) handlePacketStream(st network.Stream) {
 		default:
 			t.c.packetsDropped.Add(1)
 		}
+	}
+}
+
+// forged counts and reports a peer caught forging.
+func (t *GossipTransport) forged(p peer.ID, reason string) {
+	t.c.forged.Add(1)
+	if t.cfg.onForged != nil {
+		t.cfg.onForged(p, reason)
 	}
 }
 
@@ -544,19 +598,31 @@ type gossipConn struct {
 	network.Stream
 	t             *GossipTransport
 	local, remote gossipNetAddr
+	// r reads the stream: the stream itself, or the guard's filter for a
+	// member whose word about others does not count.
+	r io.Reader
 }
 
 func (t *GossipTransport) newConn(st network.Stream) *gossipConn {
-	return &gossipConn{
+	p := st.Conn().RemotePeer()
+	c := &gossipConn{
 		Stream: st,
 		t:      t,
 		local:  gossipNetAddr{p: t.self, s: gossipAddrString(t.self)},
-		remote: t.remember(st.Conn().RemotePeer()),
+		remote: t.remember(p),
+		r:      st,
 	}
+	if g := t.cfg.guard; g != nil && !g.isTrusted(p) {
+		c.r = &guardedReader{gd: g, from: p, src: bufio.NewReader(st),
+			onForged:   t.forged,
+			onFiltered: func() { t.c.filtered.Add(1) },
+		}
+	}
+	return c
 }
 
 func (c *gossipConn) Read(b []byte) (int, error) {
-	n, err := c.Stream.Read(b)
+	n, err := c.r.Read(b)
 	c.t.c.bytesReceived.Add(uint64(n))
 	return n, err
 }

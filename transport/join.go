@@ -52,6 +52,7 @@ const (
 
 	maxNameLen   = 128
 	maxModels    = 1024
+	maxAPIs      = 32
 	maxModelLen  = 256
 	maxReasonLen = 512
 	maxRelays    = 16
@@ -91,6 +92,10 @@ type JoinInfo struct {
 	Weight   float64  `json:"weight,omitempty"`   // 0 means 1
 	Capacity int      `json:"capacity,omitempty"` // max concurrent requests; 0 means unlimited
 	Draining bool     `json:"draining,omitempty"` // takes no new requests
+	// APIs are the request paths beyond chat, completions and embeddings
+	// that the agent's engine serves (e.g. /v1/responses, /v1/messages);
+	// the relay routes those paths only to agents that list them.
+	APIs []string `json:"apis,omitempty"`
 	// Relays are the multiaddrs (with /p2p/<ID>) of every relay the agent
 	// joins, this one included: relays learn their peers from them.
 	Relays []string `json:"relays,omitempty"`
@@ -123,9 +128,12 @@ type JoinServer struct {
 	active map[network.Stream]struct{}
 	regs   map[peer.ID]*registration
 
-	wg     sync.WaitGroup
-	failed atomic.Uint64
-	once   sync.Once
+	lim *joinLimiter
+
+	wg      sync.WaitGroup
+	failed  atomic.Uint64
+	refused atomic.Uint64
+	once    sync.Once
 }
 
 // registration is one joined agent's open stream.
@@ -150,6 +158,7 @@ func ServeJoin(h host.Host, token []byte, jh JoinHandler) (io.Closer, error) {
 		jh:     jh,
 		active: make(map[network.Stream]struct{}),
 		regs:   make(map[peer.ID]*registration),
+		lim:    newJoinLimiter(),
 	}
 	h.SetStreamHandler(JoinProtocol, js.handle)
 	return js, nil
@@ -158,6 +167,13 @@ func ServeJoin(h host.Host, token []byte, jh JoinHandler) (io.Closer, error) {
 // Failed returns how many handshakes failed (bad proof, malformed or
 // rejected by the handler, or timed out).
 func (js *JoinServer) Failed() uint64 { return js.failed.Load() }
+
+// Refused returns how many join attempts were refused without a handshake
+// because their peer or address was backing off after failures: after
+// joinFreeFailures failed handshakes of a peer (joinAddrFreeFailures from an
+// IP address), each further failure doubles a back-off from 500 ms up to
+// 5 s during which that peer (address) is refused at once.
+func (js *JoinServer) Refused() uint64 { return js.refused.Load() }
 
 // Close stops accepting joins, ends every registration and waits for the
 // handler calls to finish. It is safe to call more than once.
@@ -193,9 +209,18 @@ func (js *JoinServer) handle(s network.Stream) {
 	}()
 
 	p := s.Conn().RemotePeer()
+	ip, hasIP := remoteIP(s.Conn().RemoteMultiaddr())
+	if ok, wait := js.lim.allow(p, ip, hasIP, time.Now()); !ok {
+		js.refused.Add(1)
+		_ = s.SetDeadline(time.Now().Add(handshakeTimeout))
+		_ = writeFrame(s, msgReject, []byte(backoffReason(wait)))
+		_ = s.Close()
+		return
+	}
 	info, reject, err := js.handshake(s, p)
 	if err != nil {
 		js.failed.Add(1)
+		js.lim.failed(p, ip, hasIP, time.Now())
 		if reject == "" {
 			_ = s.Reset()
 			return
@@ -235,6 +260,7 @@ func (js *JoinServer) handle(s network.Stream) {
 
 	if err := js.jh.Joined(p, info); err != nil {
 		js.failed.Add(1)
+		js.lim.failed(p, ip, hasIP, time.Now())
 		reason := err.Error()
 		if len(reason) > maxReasonLen {
 			reason = reason[:maxReasonLen]
@@ -244,6 +270,7 @@ func (js *JoinServer) handle(s network.Stream) {
 		_ = s.Close()
 		return
 	}
+	js.lim.succeeded(p, ip, hasIP)
 	js.h.ConnManager().Protect(p, protectTag)
 	defer js.h.ConnManager().Unprotect(p, protectTag)
 	defer js.jh.Left(p)
@@ -380,6 +407,11 @@ func Join(ctx context.Context, h host.Host, relay peer.ID, token []byte, info Jo
 	typ, body, err := readFrame(s)
 	if err != nil {
 		return fail(err)
+	}
+	if typ == msgReject {
+		// Refused before the handshake (back-off after failed joins).
+		_ = s.Close()
+		return nil, &RejectedError{Reason: string(bytes.ToValidUTF8(body, []byte("?")))}
 	}
 	if typ != msgChallenge || len(body) != nonceSize {
 		return fail(errBadFrame)
@@ -568,6 +600,14 @@ func validateInfo(info JoinInfo) error {
 	for _, m := range info.Models {
 		if m == "" || len(m) > maxModelLen || !utf8.ValidString(m) {
 			return fmt.Errorf("join info: model IDs must be 1..%d bytes of UTF-8", maxModelLen)
+		}
+	}
+	if len(info.APIs) > maxAPIs {
+		return fmt.Errorf("join info: %d APIs exceed %d", len(info.APIs), maxAPIs)
+	}
+	for _, a := range info.APIs {
+		if len(a) < 2 || len(a) > maxModelLen || a[0] != '/' || !utf8.ValidString(a) {
+			return fmt.Errorf("join info: API paths must be 2..%d bytes starting with '/'", maxModelLen)
 		}
 	}
 	if math.IsNaN(info.Weight) || info.Weight < 0 || info.Weight > maxWeight {

@@ -282,6 +282,8 @@ type RelayNATConfig struct {
 	PublicCIDRs []netip.Prefix
 	// Limits bounds the circuits; the zero value means the defaults.
 	Limits RelayLimits
+	// Counters, if set, counts reservations, circuits and relayed bytes.
+	Counters *RelayCounters
 }
 
 // aclFilter admits reservations and circuits for admitted peers only.
@@ -318,13 +320,17 @@ func RelayNATOptions(cfg RelayNATConfig) ([]libp2p.Option, error) {
 	// serves admitted peers, many of whom share a home ISP.
 	res.MaxReservationsPerASN = l.MaxReservations
 	extra := slices.Clone(cfg.PublicCIDRs)
+	svc := []relay.Option{
+		relay.WithResources(res),
+		relay.WithACL(aclFilter{admit: cfg.Admit}),
+		relay.WithReservationAddressFilter(func(a ma.Multiaddr) bool { return IsPublicAddr(a, extra) }),
+	}
+	if cfg.Counters != nil {
+		svc = append(svc, relay.WithMetricsTracer(relayTracer{cfg.Counters}))
+	}
 	return []libp2p.Option{
 		libp2p.ForceReachabilityPublic(),
-		libp2p.EnableRelayService(
-			relay.WithResources(res),
-			relay.WithACL(aclFilter{admit: cfg.Admit}),
-			relay.WithReservationAddressFilter(func(a ma.Multiaddr) bool { return IsPublicAddr(a, extra) }),
-		),
+		libp2p.EnableRelayService(svc...),
 	}, nil
 }
 
@@ -416,6 +422,11 @@ type AgentNAT struct {
 	// firstRelayed is when the first relayed connection to a peer, still
 	// without a direct one, appeared.
 	firstRelayed map[peer.ID]time.Time
+	// joined are the relays we hold a registration with (SetJoined); the
+	// reservation is asked for only then. joinedCh is closed and replaced
+	// on every change.
+	joined   map[peer.ID]bool
+	joinedCh chan struct{}
 
 	punches, punchOK, upgrades atomic.Uint64
 	reservations               atomic.Int64
@@ -429,7 +440,63 @@ func NewAgentNAT(cfg AgentNATConfig) (*AgentNAT, error) {
 	}
 	cfg.Relays = slices.Clone(cfg.Relays)
 	cfg.PublicCIDRs = slices.Clone(cfg.PublicCIDRs)
-	return &AgentNAT{cfg: cfg, firstRelayed: make(map[peer.ID]time.Time)}, nil
+	return &AgentNAT{
+		cfg:          cfg,
+		firstRelayed: make(map[peer.ID]time.Time),
+		joined:       make(map[peer.ID]bool),
+		joinedCh:     make(chan struct{}),
+	}, nil
+}
+
+// SetJoined tells whether we hold a registration with relay. A relay grants
+// a reservation to joined peers only, and a refused request costs the
+// reservation backoff, so the reservation is asked for once joined. Losing
+// every connection to the relay also counts as no longer joined.
+func (n *AgentNAT) SetJoined(relay peer.ID, joined bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.joined[relay] == joined {
+		return
+	}
+	if joined {
+		n.joined[relay] = true
+	} else {
+		delete(n.joined, relay)
+	}
+	close(n.joinedCh)
+	n.joinedCh = make(chan struct{})
+}
+
+// relaySource is autorelay's peer source: the static relays we are joined
+// to, as soon as there is one.
+func (n *AgentNAT) relaySource(ctx context.Context, num int) <-chan peer.AddrInfo {
+	out := make(chan peer.AddrInfo, len(n.cfg.Relays))
+	go func() {
+		defer close(out)
+		for {
+			n.mu.Lock()
+			var ready []peer.AddrInfo
+			for _, r := range n.cfg.Relays {
+				if n.joined[r.ID] && len(ready) < num {
+					ready = append(ready, r)
+				}
+			}
+			ch := n.joinedCh
+			n.mu.Unlock()
+			if len(ready) > 0 {
+				for _, r := range ready {
+					out <- r
+				}
+				return
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-ch:
+			}
+		}
+	}()
+	return out
 }
 
 // Options returns the libp2p options of an agent host: private reachability
@@ -455,7 +522,12 @@ func (n *AgentNAT) Options() []libp2p.Option {
 		},
 		libp2p.ForceReachabilityPrivate(),
 		libp2p.EnableRelay(),
-		libp2p.EnableAutoRelayWithStaticRelays(n.cfg.Relays,
+		// The static relays, handed to autorelay only once joined (see
+		// SetJoined): what autorelay.WithStaticRelays does, gated.
+		libp2p.EnableAutoRelayWithPeerSource(n.relaySource,
+			autorelay.WithMinCandidates(len(n.cfg.Relays)),
+			autorelay.WithMaxCandidates(len(n.cfg.Relays)),
+			autorelay.WithNumRelays(len(n.cfg.Relays)),
 			autorelay.WithBackoff(n.cfg.ReservationBackoff),
 			autorelay.WithMinInterval(n.cfg.RelayMinInterval),
 			autorelay.WithBootDelay(0),
@@ -548,6 +620,9 @@ func (n *AgentNAT) disconnected(nw network.Network, c network.Conn) {
 		n.mu.Lock()
 		delete(n.firstRelayed, p)
 		n.mu.Unlock()
+	}
+	if len(nw.ConnsToPeer(p)) == 0 {
+		n.SetJoined(p, false)
 	}
 }
 

@@ -183,6 +183,9 @@ func (l *natLab) agent(t *testing.T, admit, loopbackPublic bool, onUpgrade func(
 	if err := h.Connect(ctx, l.info()); err != nil {
 		t.Fatal(err)
 	}
+	// An admitted agent stands for a joined one: it asks for its
+	// reservation now.
+	n.SetJoined(l.relay.ID(), admit)
 	return h, n
 }
 

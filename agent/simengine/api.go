@@ -23,6 +23,7 @@ type genRequest struct {
 	tokens    []Token
 	maxTokens int // 0 means the server's default
 	stream    bool
+	resp      *respMeta // Responses API requests only
 }
 
 type streamOptions struct {

@@ -35,3 +35,21 @@ func FuzzParseRequest(f *testing.F) {
 		_, _, _ = parseEmbedding(body)
 	})
 }
+
+// FuzzParseResponses: any Responses API body is parsed or refused with an
+// APIError, never a panic.
+func FuzzParseResponses(f *testing.F) {
+	f.Add([]byte(`{"model":"m","input":"hi","instructions":"be brief"}`))
+	f.Add([]byte(`{"input":[{"role":"user","content":[{"type":"input_text","text":"x"}]}],"previous_response_id":"resp_1","stream":true}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		g, _, err := parseResponses(b, func(id string) (string, bool) { return "<|im_start|>user\nold<|im_end|>\n", id == "resp_1" })
+		if err == nil && (g == nil || len(g.tokens) == 0) {
+			t.Fatalf("parsed %q to an empty request", b)
+		}
+		if err != nil {
+			if _, ok := err.(*APIError); !ok {
+				t.Fatalf("error %T %v", err, err)
+			}
+		}
+	})
+}

@@ -120,8 +120,9 @@ type Server struct {
 
 	realEpoch time.Time // real time at New; model time equals it at that instant
 	ids       atomic.Uint64
-	wake      chan struct{} // capacity 1: the engine's next event may have moved
-	closing   chan struct{} // closed when Run stops: requests in flight end
+	stored    *responseStore // Responses API objects (responses.go)
+	wake      chan struct{}  // capacity 1: the engine's next event may have moved
+	closing   chan struct{}  // closed when Run stops: requests in flight end
 
 	mu        sync.Mutex // guards the following fields
 	eng       *Engine
@@ -159,6 +160,7 @@ func New(cfg Config) (*Server, error) {
 		closing:   make(chan struct{}),
 		eng:       eng,
 		calls:     make(map[uint64]*call),
+		stored:    newResponseStore(),
 	}
 	s.handler = s.routes()
 	return s, nil
@@ -378,6 +380,9 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("POST /v1/completions", s.handle(s.completions))
 	mux.HandleFunc("POST /v1/embeddings", s.handle(s.embeddings))
 	mux.HandleFunc("GET /v1/models", s.handle(s.models))
+	mux.HandleFunc("POST /v1/responses", s.handle(s.responses))
+	mux.HandleFunc("GET /v1/responses/{id}", s.handle(s.storedResponseHandler))
+	mux.HandleFunc("DELETE /v1/responses/{id}", s.handle(s.storedResponseHandler))
 	mux.HandleFunc("GET /admin/slowdown", s.handle(s.adminSlowdown))
 	mux.HandleFunc("POST /admin/slowdown", s.handle(s.adminSlowdown))
 	reg := prometheus.NewRegistry()
@@ -488,15 +493,20 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, g *genRequest)
 	s.poke()
 	defer s.release(id, c)
 
-	out := &responder{w: w, kind: g.kind, model: model, created: time.Now().Unix(),
-		id: fmt.Sprintf("%s-%016x", idPrefix[g.kind], mix64(id^s.cfg.Engine.Seed))}
+	var out answerWriter
+	if g.kind == kindResponse {
+		out = newResponsesWriter(s, w, g, model)
+	} else {
+		out = &responder{w: w, kind: g.kind, model: model, created: time.Now().Unix(),
+			id: fmt.Sprintf("%s-%016x", idPrefix[g.kind], mix64(id^s.cfg.Engine.Seed))}
+	}
 	sent := 0
 	for {
 		select {
 		case <-r.Context().Done():
 			return r.Context().Err()
 		case <-s.closing:
-			if out.started {
+			if out.hasStarted() {
 				return errStarted{errClosing}
 			}
 			return errClosing
@@ -714,6 +724,14 @@ type completion struct {
 	Usage   *usageJSON `json:"usage,omitempty"`
 }
 
+// answerWriter writes one request's answer in its API's shapes.
+type answerWriter interface {
+	whole(text, finish string, u Usage) error
+	chunks(pieces []string) error
+	end(finish string, u Usage) error
+	hasStarted() bool
+}
+
 // responder writes one request's response in OpenAI's shapes.
 type responder struct {
 	w       http.ResponseWriter
@@ -724,6 +742,8 @@ type responder struct {
 	started bool // stream headers sent
 	buf     []byte
 }
+
+func (o *responder) hasStarted() bool { return o.started }
 
 func (o *responder) object(stream bool) string {
 	switch {

@@ -22,12 +22,36 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	tuneGC(os.LookupEnv)
+	if cfg.Upstream == "" {
+		if cfg.Upstream, err = findUpstream(ctx, nil, stdout); err != nil {
+			return err
+		}
+	}
 	a, err := agent.New(cfg)
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(stdout, "agent peer ID: %s\n", a.ID())
 	return a.Run(ctx)
+}
+
+// findUpstream looks for an engine on the usual local ports when no
+// --upstream was given, says which it found, and returns its URL; with none
+// or several it says exactly what to pass.
+func findUpstream(ctx context.Context, ports []agent.EnginePort, stdout io.Writer) (string, error) {
+	found, err := agent.FindEngine(ctx, ports, 0)
+	if err != nil {
+		return "", fmt.Errorf("agent: %w", err)
+	}
+	if len(found) > 1 {
+		var opts []string
+		for _, f := range found {
+			opts = append(opts, "  --upstream "+f.URL+"   # "+f.Describe())
+		}
+		return "", fmt.Errorf("agent: found %d engines; pass one of:\n%s", len(found), strings.Join(opts, "\n"))
+	}
+	fmt.Fprintf(stdout, "found %s; using --upstream %s\n", found[0].Describe(), found[0].URL)
+	return found[0].URL, nil
 }
 
 // agentConfig turns the command line, then COMPUTEFLUX_* environment
@@ -45,7 +69,7 @@ func agentConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.Var(&relays, "relay", "relay `multiaddr` ending in /p2p/<relay peer ID>; repeat it (or give a comma list) to join and serve several relays")
 	fs.StringVar(&cfg.Token, "token", "", "join `secret` (prefer --token-file)")
 	fs.StringVar(&cfg.TokenFile, "token-file", "", "`file` holding the join secret")
-	fs.StringVar(&cfg.Upstream, "upstream", "", "local engine base `URL`, e.g. http://127.0.0.1:8000")
+	fs.StringVar(&cfg.Upstream, "upstream", "", "local engine base `URL`, e.g. http://127.0.0.1:8000 (default: look on 127.0.0.1 ports 8000, 30000, 8080, 3000, 11434)")
 	fs.StringVar(&cfg.UpstreamAPIKey, "upstream-api-key", "", "API `key` the engine expects, sent as a bearer token")
 	fs.StringVar(&cfg.Name, "name", "", "agent `name` shown by the relay (default: host name)")
 	fs.Float64Var(&cfg.Weight, "weight", 1, "relative share of traffic")

@@ -1,8 +1,17 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
 	"testing"
+
+	"github.com/computeflux/computeflux/agent"
 )
 
 func TestAgentConfigFlagsAndEnv(t *testing.T) {
@@ -48,5 +57,45 @@ func TestAgentConfigFlagsAndEnv(t *testing.T) {
 		return "", false
 	}, io.Discard); err == nil {
 		t.Error("bad env value accepted")
+	}
+}
+
+func TestFindUpstream(t *testing.T) {
+	sim := func() (*httptest.Server, agent.EnginePort) {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			switch r.URL.Path {
+			case "/v1/models":
+				io.WriteString(w, `{"object":"list","data":[{"id":"m1","object":"model","owned_by":"ollama-like"}]}`)
+			case "/api/version":
+				io.WriteString(w, `{"version":"0.12.6"}`)
+			case "/api/ps":
+				io.WriteString(w, `{"models":[]}`)
+			default:
+				http.NotFound(w, r)
+			}
+		}))
+		t.Cleanup(srv.Close)
+		port, _ := strconv.Atoi(srv.URL[strings.LastIndexByte(srv.URL, ':')+1:])
+		return srv, agent.EnginePort{Port: port, Engine: "Ollama"}
+	}
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	closedPort := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	closed := agent.EnginePort{Port: closedPort, Engine: "vLLM"}
+
+	srv, p := sim()
+	var out strings.Builder
+	got, err := findUpstream(context.Background(), []agent.EnginePort{closed, p}, &out)
+	if err != nil || got != srv.URL || !strings.Contains(out.String(), "found ollama 0.12.6 at "+srv.URL) {
+		t.Fatalf("one engine: %q %v, said %q", got, err, out.String())
+	}
+	_, err = findUpstream(context.Background(), []agent.EnginePort{closed}, io.Discard)
+	if !errors.Is(err, agent.ErrNoEngine) || !strings.Contains(err.Error(), strconv.Itoa(closedPort)+" (vLLM)") || !strings.Contains(err.Error(), "--upstream http://HOST:PORT") {
+		t.Fatalf("none: %v", err)
+	}
+	srv2, p2 := sim()
+	_, err = findUpstream(context.Background(), []agent.EnginePort{p, p2}, io.Discard)
+	if err == nil || !strings.Contains(err.Error(), "--upstream "+srv.URL) || !strings.Contains(err.Error(), "--upstream "+srv2.URL) {
+		t.Fatalf("several: %v", err)
 	}
 }

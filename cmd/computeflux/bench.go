@@ -23,7 +23,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if rest, ok := cutOverhead(args); ok {
 		return runOverhead(ctx, rest, stdout, stderr)
 	}
-	cfg, scenarios, asJSON, err := benchConfig(args, stderr)
+	cfg, scenarios, asJSON, plot, err := benchConfig(args, stderr)
 	if err != nil {
 		return err
 	}
@@ -45,6 +45,11 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			}
 		}
 	}
+	if plot != "" {
+		if err := writePlotFile(plot, reports); err != nil {
+			return err
+		}
+	}
 	if asJSON {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
@@ -55,10 +60,11 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 
 // benchConfig turns the command line into a bench.Config and the list of
 // scenarios to run.
-func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenario, bool, error) {
+func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenario, bool, string, error) {
 	var cfg bench.Config
 	var policies, scenarios string
 	var asJSON, quiet bool
+	var plot string
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
@@ -91,6 +97,7 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.DurationVar(&cfg.Timeout, "timeout", 0, "live: bound on one policy's run in real time (default 5m)")
 	fs.BoolVar(&asJSON, "json", false, "print JSON instead of tables")
 	fs.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
+	fs.StringVar(&plot, "plot", "", "also write an SVG chart of each policy's time to first token (p50, p95, p99) to this `file`")
 	// Workload knobs.
 	fs.Float64Var(&cfg.SessionRate, "session-rate", 0.5, "new chat sessions per second (model time) per engine")
 	fs.IntVar(&cfg.Chat.SystemTokens, "system-tokens", 2000, "length of the system prompt all sessions share")
@@ -106,16 +113,16 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.IntVar(&cfg.Engine.MaxRunning, "max-running", simengine.DefaultMaxRunning, "sequences each engine batches")
 	fs.IntVar(&cfg.Capacity, "capacity", 0, "concurrency each agent announces to the scheduler (0: unlimited)")
 	if err := fs.Parse(args); err != nil {
-		return cfg, nil, false, err
+		return cfg, nil, false, "", err
 	}
 	if fs.NArg() > 0 {
-		return cfg, nil, false, fmt.Errorf("bench: unexpected arguments %q", fs.Args())
+		return cfg, nil, false, "", fmt.Errorf("bench: unexpected arguments %q", fs.Args())
 	}
 	if policies != "all" && policies != "" {
 		for _, s := range strings.Split(policies, ",") {
 			p, err := scheduler.ParsePolicy(s)
 			if err != nil {
-				return cfg, nil, false, fmt.Errorf("bench: --policies: %w", err)
+				return cfg, nil, false, "", fmt.Errorf("bench: --policies: %w", err)
 			}
 			cfg.Policies = append(cfg.Policies, p)
 		}
@@ -127,14 +134,14 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	for _, s := range strings.Split(scenarios, ",") {
 		sc, err := bench.ParseScenario(s)
 		if err != nil {
-			return cfg, nil, false, fmt.Errorf("bench: --scenario: %w", err)
+			return cfg, nil, false, "", fmt.Errorf("bench: --scenario: %w", err)
 		}
 		scs = append(scs, sc)
 	}
 	if !quiet {
 		cfg.Progress = stderr
 	}
-	return cfg, scs, asJSON, nil
+	return cfg, scs, asJSON, plot, nil
 }
 
 // cutOverhead reports whether args ask for the overhead benchmark

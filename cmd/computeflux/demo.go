@@ -9,17 +9,16 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/agent/simengine"
-	"github.com/computeflux/computeflux/cmd/computeflux/internal/bench"
 	"github.com/computeflux/computeflux/relay/relaytest"
-	"github.com/computeflux/computeflux/scheduler"
 )
 
 // runDemo starts simulated engines, agents and a relay on loopback, prints
-// how to reach the relay, runs a short sticky-versus-round-robin
-// comparison, and serves until ctx ends or --duration has passed.
+// how to reach the relay, compares sticky routing with round-robin on long
+// conversations at real-time engine speed (demo_compare.go), and serves
+// until ctx ends or --duration has passed.
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	var engines, sessions int
-	var timeScale float64
+	var engines, sessions, turns, contextTokens int
+	var timeScale, compareScale float64
 	var duration time.Duration
 	var compare bool
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
@@ -28,15 +27,18 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.Float64Var(&timeScale, "time-scale", 1, "run the served engines this many times faster than real time")
 	fs.DurationVar(&duration, "duration", 0, "stop after serving this long once the comparison is done (0: until Ctrl-C)")
 	fs.BoolVar(&compare, "compare", true, "run the sticky-versus-round-robin comparison")
-	fs.IntVar(&sessions, "sessions", 24, "chat sessions in the comparison")
+	fs.IntVar(&sessions, "sessions", 5, "conversations in the comparison")
+	fs.IntVar(&turns, "turns", 4, "turns of each conversation")
+	fs.IntVar(&contextTokens, "context-tokens", 100000, "tokens of each conversation's own context at its first turn (less if the caches cannot hold them)")
+	fs.Float64Var(&compareScale, "compare-time-scale", 1, "run the comparison's engines this many times faster than real time (times are reported in model time)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("demo: unexpected arguments %q", fs.Args())
 	}
-	if engines < 1 || sessions < 1 || !(timeScale > 0) {
-		return errors.New("demo: --engines and --sessions must be positive, --time-scale above 0")
+	if engines < 1 || sessions < 1 || turns < 1 || contextTokens < 1 || !(timeScale > 0) || !(compareScale > 0) {
+		return errors.New("demo: --engines, --sessions, --turns and --context-tokens must be positive, the time scales above 0")
 	}
 
 	fmt.Fprintf(stdout, "Starting %d simulated engines, %d agents and a relay on loopback (libp2p over QUIC)...\n", engines, engines)
@@ -56,18 +58,16 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fmt.Fprintf(stdout, "  %s\n\n", curlLine(c.URL(), c.APIKey()))
 
 	if compare {
-		fmt.Fprintf(stdout, "Comparing sticky with round-robin on %d multi-turn chat sessions (each on a fresh cluster, engines %gx faster)...\n",
-			sessions, demoCompareScale)
-		rp, err := bench.Run(ctx, demoCompareConfig(engines, sessions))
+		err := runComparison(ctx, stdout, demoWorkload{
+			Engines: engines, Sessions: sessions, Turns: turns,
+			SystemTokens: 2000, ContextTokens: contextTokens, TurnTokens: 1000, AnswerTokens: 40,
+			Think: 2 * time.Second, Stagger: 3 * time.Second, TimeScale: compareScale,
+		})
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
 			return fmt.Errorf("demo: comparison: %w", err)
-		}
-		fmt.Fprintln(stdout)
-		if err := rp.WriteTable(stdout); err != nil {
-			return err
 		}
 		fmt.Fprintln(stdout)
 	}
@@ -83,25 +83,6 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	<-ctx.Done()
 	fmt.Fprintln(stdout, "Stopping.")
 	return nil
-}
-
-// demoCompareScale speeds up the comparison's engines so it finishes in
-// seconds.
-const demoCompareScale = 20.0
-
-// demoCompareConfig is the demo's comparison: the bench's chat workload
-// with quicker readers (3 s median think time) so sessions finish fast,
-// both policies at once so they meet the same machine load.
-func demoCompareConfig(engines, sessions int) bench.Config {
-	return bench.Config{
-		Mode:      bench.ModeLive,
-		Policies:  []scheduler.Policy{scheduler.PolicySticky, scheduler.PolicyRoundRobin},
-		Engines:   engines,
-		Chat:      bench.ChatConfig{Sessions: sessions, Think: 3 * time.Second, MaxTurns: 10},
-		TimeScale: demoCompareScale,
-		Parallel:  true,
-		Timeout:   2 * time.Minute,
-	}
 }
 
 // curlLine is a ready-to-paste streaming chat completion with a session ID.

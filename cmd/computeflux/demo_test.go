@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -25,13 +26,14 @@ func TestDemo(t *testing.T) {
 	pr, pw := io.Pipe()
 	done := make(chan error, 1)
 	go func() {
-		err := runDemo(ctx, []string{"--engines", "2", "--sessions", "6", "--duration", "10m"}, pw, io.Discard)
+		err := runDemo(ctx, []string{"--engines", "2", "--sessions", "3", "--turns", "3", "--compare-time-scale", "4", "--duration", "10m"}, pw, io.Discard)
 		pw.CloseWithError(io.EOF)
 		done <- err
 	}()
 	sc := bufio.NewScanner(pr)
 	var relayURL, key string
-	tried, table := false, false
+	tried, table, verdict := false, false, false
+	hits := map[string]float64{}
 	deadline := time.AfterFunc(3*time.Minute, cancel)
 	defer deadline.Stop()
 	for sc.Scan() {
@@ -50,8 +52,18 @@ func TestDemo(t *testing.T) {
 			curl(t, m[1], m[2], m[3], m[4])
 			tried = true
 		}
-		if strings.HasPrefix(line, "round-robin") {
+		// The summary: one row per policy, its cache hit share, then the
+		// verdict with the medians.
+		if f := strings.Fields(line); len(f) == 9 && (f[0] == "sticky" || f[0] == "round-robin") {
+			h, err := strconv.ParseFloat(strings.TrimSuffix(f[7], "%"), 64)
+			if err != nil {
+				t.Fatalf("summary row %q: %v", line, err)
+			}
+			hits[f[0]] = h
 			table = true
+		}
+		if strings.HasPrefix(line, "Sticky routing: median time to first token") {
+			verdict = true
 		}
 		if strings.HasPrefix(line, "Serving at") {
 			cancel()
@@ -60,8 +72,15 @@ func TestDemo(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
-	if !tried || !table {
-		t.Fatalf("the demo printed no usable curl line (%v) or no comparison table (%v)", tried, table)
+	if !tried || !table || !verdict {
+		t.Fatalf("the demo printed no usable curl line (%v), no summary (%v) or no verdict (%v)", tried, table, verdict)
+	}
+	// Sticky keeps each conversation on the engine that holds it: its later
+	// turns (two of three, 2/3 of the prompt tokens) are cached but their
+	// newest message; a loaded machine may cost one of them. Round-robin may
+	// be lucky, never better.
+	if len(hits) != 2 || hits["sticky"] < 50 || hits["sticky"] < hits["round-robin"] {
+		t.Fatalf("cache hits: %v", hits)
 	}
 }
 

@@ -28,6 +28,7 @@ var commands = []command{
 	{"sim-engine", "run a simulated OpenAI-compatible engine with a prefix cache", runSimEngine},
 	{"bench", "compare routing policies on the same workload, side by side", runBench},
 	{"demo", "start engines, agents and a relay on loopback and show routing at work", runDemo},
+	{"version", "print the version and the commit the binary was built from", runVersion},
 	{"status", "print a relay's routing table (agents and provider endpoints) from its admin API", runStatus},
 	{"admin", "disable, enable, drain or weigh an endpoint through a relay's admin API", runAdmin},
 }

@@ -88,7 +88,7 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.StringVar(&keysFile, "api-keys-file", "", "`file` of client API keys, one per line, # comments")
 	fs.BoolVar(&cfg.NoAuth, "no-auth", false, "serve clients without API keys")
 	fs.StringVar(&cfg.AddrFile, "addr-file", "", "write the relay's dialable multiaddrs to this `file` once listening")
-	fs.StringVar(&policy, "policy", "sticky", "routing `policy`: sticky, round-robin, random, least-loaded, consistent-hash")
+	fs.StringVar(&policy, "policy", "sticky", "routing `policy`: sticky (session affinity, then prompt prefix), or for comparison round-robin, random, least-loaded, consistent-hash, prefix-hash, dualmap, sglang")
 	fs.IntVar(&cfg.MaxAttempts, "max-attempts", relay.DefaultMaxAttempts, "agents tried per request before its first byte")
 	fs.DurationVar(&cfg.TTFBTimeout, "ttfb-timeout", relay.DefaultTTFBTimeout, "longest wait for an agent's first response byte")
 	fs.DurationVar(&cfg.IdleTimeout, "idle-timeout", relay.DefaultIdleTimeout, "longest gap between streamed chunks")

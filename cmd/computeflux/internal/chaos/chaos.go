@@ -405,8 +405,10 @@ func (c *cluster) run(ctx context.Context) (*Result, error) {
 		c.progress("SIGSTOP %s for %v", agentName(frozen), c.cfg.Freeze)
 		_ = c.agents[frozen].signal(syscall.SIGSTOP)
 		ok = sleep(c.cfg.Freeze)
-		_ = c.agents[frozen].signal(syscall.SIGCONT)
+		// Taken before the signal: the agent may answer (and the relay log
+		// it) before the signal call returns.
 		contAt = time.Now()
+		_ = c.agents[frozen].signal(syscall.SIGCONT)
 		c.progress("SIGCONT %s", agentName(frozen))
 	}
 	if ok {

@@ -1,0 +1,474 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// EngineKind names an inference server the agent recognises.
+type EngineKind string
+
+// The engines the agent recognises from their own endpoints.
+const (
+	EngineUnknown  EngineKind = ""                // speaks the OpenAI API, nothing more known
+	EngineVLLM     EngineKind = "vllm"            // vLLM: /version, vllm:* metrics
+	EngineSGLang   EngineKind = "sglang"          // SGLang: /get_server_info (or /server_info), sglang:* metrics
+	EngineTGI      EngineKind = "tgi"             // Text Generation Inference: /info, tgi_* metrics
+	EngineLlamaCpp EngineKind = "llamacpp"        // llama.cpp server: /props, /slots, llamacpp:* metrics
+	EngineOllama   EngineKind = "ollama"          // Ollama: /api/version, /api/ps
+	EngineSim      EngineKind = "computeflux-sim" // computeflux sim-engine (vLLM's metric names)
+)
+
+// EngineInfo is what the agent learned about its engine when it identified
+// it. The zero value describes an unknown engine served through its OpenAI
+// endpoints only.
+type EngineInfo struct {
+	// Kind is the engine recognised; EngineUnknown when none was.
+	Kind EngineKind
+	// Version is the engine's own version string, when it reports one.
+	Version string
+	// KVCapacityTokens is how many tokens the engine's KV cache holds, from
+	// its own figures (vLLM num_gpu_blocks × block_size, SGLang
+	// max_total_num_tokens, TGI max_batch_total_tokens, llama.cpp the
+	// slots' n_ctx, Ollama the loaded models' context_length); 0 when
+	// unknown.
+	KVCapacityTokens int
+	// APIs are the paths beyond chat, completions and embeddings that the
+	// engine serves, among optionalAPIs, found in its OpenAPI document or
+	// by asking for them.
+	APIs []string
+	// Evidence says what identified the engine, for the log.
+	Evidence string
+}
+
+// optionalAPIs are the paths the agent forwards when the engine serves them.
+var optionalAPIs = []string{"/v1/responses", "/v1/messages"}
+
+// maxProbeBody bounds what the agent reads of one identification answer.
+const maxProbeBody = 4 << 20
+
+// engineProber asks an engine about itself.
+type engineProber struct {
+	client    *http.Client
+	base      *url.URL
+	authorize func(http.Header)
+}
+
+// get fetches path; ok is false unless it answered 200.
+func (p *engineProber) get(ctx context.Context, path string) ([]byte, bool) {
+	return p.do(ctx, http.MethodGet, path, nil)
+}
+
+func (p *engineProber) do(ctx context.Context, method, path string, body []byte) ([]byte, bool) {
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, p.base.JoinPath(path).String(), rd)
+	if err != nil {
+		return nil, false
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	p.authorize(req.Header)
+	resp, err := p.client.Do(req)
+	if err != nil {
+		return nil, false
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, maxProbeBody))
+	if err != nil {
+		return nil, false
+	}
+	if method == http.MethodPost {
+		// A route that exists rejects an empty request (400, 422, 500);
+		// one that does not answers 404 or 405.
+		return b, resp.StatusCode != http.StatusNotFound && resp.StatusCode != http.StatusMethodNotAllowed
+	}
+	return b, resp.StatusCode == http.StatusOK
+}
+
+// identify recognises the engine from its own endpoints: the metric family
+// of /metrics first, then each engine's identity endpoint; ownedBy is the
+// owned_by of its /v1/models entries.
+func (p *engineProber) identify(ctx context.Context, ownedBy string) EngineInfo {
+	var info EngineInfo
+	var met EngineMetrics
+	if b, ok := p.get(ctx, "/metrics"); ok {
+		met, _ = ParseEngineMetrics(bytes.NewReader(b))
+	}
+	switch {
+	case ownedBy == "computeflux" && met.Engine == "vllm":
+		info.Kind, info.Evidence = EngineSim, "/v1/models owned_by computeflux, vLLM metric names"
+	case met.Engine == "vllm":
+		info.Kind, info.Evidence = EngineVLLM, "vllm:* series in /metrics"
+	case met.Engine == "sglang":
+		info.Kind, info.Evidence = EngineSGLang, "sglang:* series in /metrics"
+	case met.Engine == "tgi":
+		info.Kind, info.Evidence = EngineTGI, "tgi_* series in /metrics"
+	case met.Engine == "llamacpp":
+		info.Kind, info.Evidence = EngineLlamaCpp, "llamacpp:* series in /metrics"
+	}
+	info.KVCapacityTokens = met.KVCapacityTokens
+
+	// Identity endpoints: they name the engine without metrics and carry
+	// its version and capacity.
+	if info.Kind == EngineUnknown || info.Kind == EngineOllama {
+		if b, ok := p.get(ctx, "/api/version"); ok {
+			var v struct {
+				Version string `json:"version"`
+			}
+			if json.Unmarshal(b, &v) == nil && v.Version != "" {
+				info.Kind, info.Version, info.Evidence = EngineOllama, v.Version, "/api/version"
+			}
+		}
+	}
+	if info.Kind == EngineUnknown || info.Kind == EngineLlamaCpp {
+		if b, ok := p.get(ctx, "/props"); ok {
+			if pr, ok := ParseLlamaCppProps(b); ok {
+				if info.Kind == EngineUnknown {
+					info.Kind, info.Evidence = EngineLlamaCpp, "/props"
+				}
+				info.Version = pr.BuildInfo
+				info.KVCapacityTokens = pr.NCtx * max(pr.TotalSlots, 1)
+			}
+		}
+		if b, ok := p.get(ctx, "/slots"); ok {
+			if sl, ok := ParseLlamaCppSlots(b); ok && sl.NCtx > 0 {
+				info.KVCapacityTokens = sl.NCtx
+			}
+		}
+	}
+	if info.Kind == EngineUnknown || info.Kind == EngineTGI {
+		if b, ok := p.get(ctx, "/info"); ok {
+			if ti, ok := ParseTGIInfo(b); ok {
+				if info.Kind == EngineUnknown {
+					info.Kind, info.Evidence = EngineTGI, "/info"
+				}
+				info.Version = ti.Version
+				if ti.MaxBatchTotalTokens > 0 {
+					info.KVCapacityTokens = ti.MaxBatchTotalTokens
+				}
+			}
+		}
+	}
+	if info.Kind == EngineUnknown || info.Kind == EngineSGLang {
+		for _, path := range []string{"/get_server_info", "/server_info"} {
+			b, ok := p.get(ctx, path)
+			if !ok {
+				continue
+			}
+			if si, ok := ParseSGLangServerInfo(b); ok {
+				if info.Kind == EngineUnknown {
+					info.Kind, info.Evidence = EngineSGLang, path
+				}
+				info.Version = si.Version
+				if si.MaxTotalNumTokens > 0 && info.KVCapacityTokens == 0 {
+					info.KVCapacityTokens = si.MaxTotalNumTokens
+				}
+				break
+			}
+		}
+	}
+	if info.Kind == EngineVLLM || info.Kind == EngineSim {
+		if b, ok := p.get(ctx, "/version"); ok {
+			var v struct {
+				Version string `json:"version"`
+			}
+			if json.Unmarshal(b, &v) == nil {
+				info.Version = v.Version
+			}
+		}
+	}
+	if info.Kind == EngineOllama {
+		if b, ok := p.get(ctx, "/api/ps"); ok {
+			if ps, ok := ParseOllamaPS(b); ok {
+				info.KVCapacityTokens = ps.ContextTokens
+			}
+		}
+	}
+	if info.Kind != EngineUnknown {
+		// An unknown engine is served by its OpenAI endpoints only: it
+		// gets no probe that it might take for a request.
+		info.APIs = p.apis(ctx)
+	}
+	return info
+}
+
+// apis finds which optional APIs a recognised engine serves: from its
+// OpenAPI document when it has one (vLLM and SGLang are FastAPI servers,
+// TGI publishes /api-doc/openapi.json), else (llama.cpp, Ollama, a vLLM
+// started with --disable-fastapi-docs) by sending each path an empty
+// request and seeing whether the route exists.
+func (p *engineProber) apis(ctx context.Context) []string {
+	for _, doc := range []string{"/openapi.json", "/api-doc/openapi.json"} {
+		b, ok := p.get(ctx, doc)
+		if !ok {
+			continue
+		}
+		if paths, ok := ParseOpenAPIPaths(b); ok {
+			var out []string
+			for _, a := range optionalAPIs {
+				if slices.Contains(paths, a) {
+					out = append(out, a)
+				}
+			}
+			return out
+		}
+	}
+	var out []string
+	for _, a := range optionalAPIs {
+		if _, ok := p.do(ctx, http.MethodPost, a, []byte("{}")); ok {
+			out = append(out, a)
+		}
+	}
+	return out
+}
+
+// ParseOpenAPIPaths returns the paths of an OpenAPI document.
+func ParseOpenAPIPaths(b []byte) ([]string, bool) {
+	var doc struct {
+		Paths map[string]json.RawMessage `json:"paths"`
+	}
+	if json.Unmarshal(b, &doc) != nil || doc.Paths == nil {
+		return nil, false
+	}
+	paths := make([]string, 0, len(doc.Paths))
+	for p := range doc.Paths {
+		paths = append(paths, p)
+	}
+	slices.Sort(paths)
+	return paths, true
+}
+
+// LlamaCppProps is what the agent reads of llama.cpp's GET /props.
+type LlamaCppProps struct {
+	NCtx       int    // default_generation_settings.n_ctx: one slot's context
+	TotalSlots int    // total_slots
+	BuildInfo  string // build_info, e.g. "b6402-..."
+}
+
+// ParseLlamaCppProps reads llama.cpp's /props; false unless it has the
+// fields only llama.cpp's server sends together.
+func ParseLlamaCppProps(b []byte) (LlamaCppProps, bool) {
+	var v struct {
+		Settings *struct {
+			NCtx int `json:"n_ctx"`
+		} `json:"default_generation_settings"`
+		TotalSlots *int   `json:"total_slots"`
+		BuildInfo  string `json:"build_info"`
+	}
+	if json.Unmarshal(b, &v) != nil || v.Settings == nil || v.TotalSlots == nil {
+		return LlamaCppProps{}, false
+	}
+	return LlamaCppProps{NCtx: max(v.Settings.NCtx, 0), TotalSlots: max(*v.TotalSlots, 0), BuildInfo: v.BuildInfo}, true
+}
+
+// LlamaCppSlots sums llama.cpp's GET /slots.
+type LlamaCppSlots struct {
+	Slots      int // slots
+	Processing int // slots with is_processing
+	NCtx       int // sum of the slots' n_ctx: the KV capacity in tokens
+}
+
+// ParseLlamaCppSlots reads llama.cpp's /slots (an array of slot objects).
+func ParseLlamaCppSlots(b []byte) (LlamaCppSlots, bool) {
+	var v []struct {
+		ID           *int `json:"id"`
+		NCtx         int  `json:"n_ctx"`
+		IsProcessing bool `json:"is_processing"`
+	}
+	if json.Unmarshal(b, &v) != nil || len(v) == 0 {
+		return LlamaCppSlots{}, false
+	}
+	var s LlamaCppSlots
+	for _, sl := range v {
+		if sl.ID == nil {
+			return LlamaCppSlots{}, false
+		}
+		s.Slots++
+		s.NCtx += max(sl.NCtx, 0)
+		if sl.IsProcessing {
+			s.Processing++
+		}
+	}
+	return s, true
+}
+
+// TGIInfo is what the agent reads of TGI's GET /info.
+type TGIInfo struct {
+	ModelID             string
+	Version             string
+	MaxBatchTotalTokens int // max_batch_total_tokens: tokens the batch (KV cache) holds
+}
+
+// ParseTGIInfo reads TGI's /info; false unless it names a model and the
+// text-generation router.
+func ParseTGIInfo(b []byte) (TGIInfo, bool) {
+	var v struct {
+		ModelID             string `json:"model_id"`
+		Router              string `json:"router"`
+		Version             string `json:"version"`
+		MaxBatchTotalTokens int    `json:"max_batch_total_tokens"`
+	}
+	if json.Unmarshal(b, &v) != nil || v.ModelID == "" || !strings.Contains(v.Router, "text-generation") {
+		return TGIInfo{}, false
+	}
+	return TGIInfo{ModelID: v.ModelID, Version: v.Version, MaxBatchTotalTokens: max(v.MaxBatchTotalTokens, 0)}, true
+}
+
+// SGLangServerInfo is what the agent reads of SGLang's GET /get_server_info.
+type SGLangServerInfo struct {
+	Version           string
+	MaxTotalNumTokens int // the KV pool's capacity in tokens
+}
+
+// ParseSGLangServerInfo reads SGLang's server info: its server arguments
+// (model_path, tp_size, ...) with the version and, in internal_states (or
+// at the top level in older releases), max_total_num_tokens.
+func ParseSGLangServerInfo(b []byte) (SGLangServerInfo, bool) {
+	var v struct {
+		ModelPath         string `json:"model_path"`
+		TPSize            *int   `json:"tp_size"`
+		Version           string `json:"version"`
+		MaxTotalNumTokens int    `json:"max_total_num_tokens"`
+		InternalStates    []struct {
+			MaxTotalNumTokens int `json:"max_total_num_tokens"`
+		} `json:"internal_states"`
+	}
+	if json.Unmarshal(b, &v) != nil || v.ModelPath == "" || v.TPSize == nil {
+		return SGLangServerInfo{}, false
+	}
+	si := SGLangServerInfo{Version: v.Version, MaxTotalNumTokens: max(v.MaxTotalNumTokens, 0)}
+	for _, st := range v.InternalStates {
+		si.MaxTotalNumTokens = max(si.MaxTotalNumTokens, st.MaxTotalNumTokens)
+	}
+	return si, true
+}
+
+// OllamaPS sums Ollama's GET /api/ps: the models loaded in memory.
+type OllamaPS struct {
+	Models        []string
+	ContextTokens int // sum of the loaded models' context_length
+}
+
+// ParseOllamaPS reads Ollama's /api/ps.
+func ParseOllamaPS(b []byte) (OllamaPS, bool) {
+	var v struct {
+		Models *[]struct {
+			Name          string `json:"name"`
+			ContextLength int    `json:"context_length"`
+		} `json:"models"`
+	}
+	if json.Unmarshal(b, &v) != nil || v.Models == nil {
+		return OllamaPS{}, false
+	}
+	var ps OllamaPS
+	for _, m := range *v.Models {
+		ps.Models = append(ps.Models, m.Name)
+		ps.ContextTokens += max(m.ContextLength, 0)
+	}
+	return ps, true
+}
+
+// describe is the one log line's summary of what was found.
+func (e EngineInfo) describe() string {
+	if e.Kind == EngineUnknown {
+		return "unknown engine: served through its OpenAI endpoints (models only, no load figures)"
+	}
+	s := string(e.Kind)
+	if e.Version != "" {
+		s += " " + e.Version
+	}
+	if e.KVCapacityTokens > 0 {
+		s += ", KV cache " + strconv.Itoa(e.KVCapacityTokens) + " tokens"
+	}
+	return fmt.Sprintf("%s (from %s)", s, e.Evidence)
+}
+
+// scrapeLoad reads the engine's load: its Prometheus /metrics, or what the
+// engine offers instead (llama.cpp's /slots when it runs without --metrics,
+// Ollama's /api/ps, which has its loaded models but no queue figures).
+// eng is the identification just made when fresh; otherwise the stored one
+// is used.
+func (a *Agent) scrapeLoad(ctx context.Context, eng EngineInfo, fresh bool) (EngineMetrics, error) {
+	if !fresh {
+		a.mu.Lock()
+		eng = a.engine
+		a.mu.Unlock()
+	}
+	p := &engineProber{client: a.client, base: a.upstream, authorize: a.authorize}
+	switch eng.Kind {
+	case EngineOllama:
+		ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
+		defer cancel()
+		b, ok := p.get(ctx, "/api/ps")
+		if !ok {
+			return EngineMetrics{}, fmt.Errorf("GET /api/ps failed")
+		}
+		ps, ok := ParseOllamaPS(b)
+		if !ok {
+			return EngineMetrics{}, fmt.Errorf("GET /api/ps: not Ollama's answer")
+		}
+		return EngineMetrics{Engine: string(EngineOllama), KVCapacityTokens: ps.ContextTokens}, nil
+	case EngineLlamaCpp:
+		m, err := a.scrapeMetrics(ctx)
+		if err == nil && m.Engine != "" {
+			return m, nil
+		}
+		ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
+		defer cancel()
+		b, ok := p.get(ctx, "/slots")
+		if !ok {
+			return EngineMetrics{}, fmt.Errorf("llama.cpp: neither /metrics (start it with --metrics) nor /slots answered")
+		}
+		sl, ok := ParseLlamaCppSlots(b)
+		if !ok {
+			return EngineMetrics{}, fmt.Errorf("GET /slots: not llama.cpp's answer")
+		}
+		return EngineMetrics{Engine: string(EngineLlamaCpp), Running: sl.Processing, KVCapacityTokens: sl.NCtx}, nil
+	}
+	return a.scrapeMetrics(ctx)
+}
+
+// optionalRoute returns the method path takes when it belongs to an
+// optional API the engine serves: POST for the API itself; for a stored
+// response (/v1/responses/{id}) GET or DELETE, as asked; POST for its
+// /cancel and GET for its /input_items.
+func (a *Agent) optionalRoute(path, method string) (string, bool) {
+	a.mu.Lock()
+	apis := a.engine.APIs
+	a.mu.Unlock()
+	if slices.Contains(apis, path) {
+		return http.MethodPost, true
+	}
+	rest, ok := strings.CutPrefix(path, "/v1/responses/")
+	if !ok || !slices.Contains(apis, "/v1/responses") {
+		return "", false
+	}
+	id, sub, _ := strings.Cut(rest, "/")
+	if id == "" || strings.ContainsAny(id, "./") {
+		return "", false
+	}
+	switch sub {
+	case "":
+		if method == http.MethodDelete {
+			return http.MethodDelete, true
+		}
+		return http.MethodGet, true
+	case "cancel":
+		return http.MethodPost, true
+	case "input_items":
+		return http.MethodGet, true
+	}
+	return "", false
+}

@@ -1,0 +1,168 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/rs/zerolog"
+)
+
+// fixtureEngine serves an engine's recorded answers from
+// testdata/engines/<name> (see its README).
+func fixtureEngine(t *testing.T, name string) *httptest.Server {
+	t.Helper()
+	dir := filepath.Join("testdata", "engines", name)
+	var post []string
+	if b, err := os.ReadFile(filepath.Join(dir, "post_routes")); err == nil {
+		post = strings.Fields(string(b))
+	}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost {
+			io.Copy(io.Discard, r.Body)
+			if slices.Contains(post, r.URL.Path) {
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusBadRequest)
+				io.WriteString(w, `{"error":{"code":400,"message":"missing field","type":"invalid_request_error"}}`)
+				return
+			}
+			http.NotFound(w, r)
+			return
+		}
+		base := strings.ReplaceAll(strings.TrimPrefix(r.URL.Path, "/"), "/", "_")
+		for _, f := range []string{base, base + ".json", base + ".txt"} {
+			if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
+				if !strings.HasSuffix(f, ".json") {
+					w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+				} else {
+					w.Header().Set("Content-Type", "application/json")
+				}
+				w.Write(b)
+				return
+			}
+		}
+		http.NotFound(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+func fixtureAgent(t *testing.T, upstream string, log io.Writer) *Agent {
+	t.Helper()
+	a, err := New(Config{Relay: "/ip4/127.0.0.1/udp/1/quic-v1/p2p/12D3KooWGzh9fVnBvQUzvTDiStHRrptQhY1SDCNwX5UzqjmdBM1A",
+		Token: "t", Upstream: upstream, Name: "fixture", Logger: zerolog.New(log)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+// TestEngineRecognition identifies each engine from its fixture and reads
+// its load and KV capacity under the engine's own names.
+func TestEngineRecognition(t *testing.T) {
+	cases := []struct {
+		name     string
+		kind     EngineKind
+		version  string
+		capacity int // KV capacity in tokens
+		running  int
+		waiting  int
+		kv       float64
+		apis     []string
+		models   []string
+	}{
+		// 27,926 GPU blocks of 16 tokens (vllm:cache_config_info).
+		{"vllm", EngineVLLM, "0.11.0", 27926 * 16, 3, 2, 0.4215, []string{"/v1/responses", "/v1/messages"}, []string{"meta-llama/Llama-3.1-8B-Instruct"}},
+		{"sglang", EngineSGLang, "0.5.4", 471258, 4, 7, 0.63, []string{"/v1/responses"}, []string{"Qwen/Qwen2.5-7B-Instruct"}},
+		{"tgi", EngineTGI, "3.3.6", 131072, 12, 5, 0, nil, []string{"mistralai/Mistral-7B-Instruct-v0.3"}},
+		// Four slots of 8,192 tokens (/slots).
+		{"llamacpp", EngineLlamaCpp, "b6940-2e76e0137", 4 * 8192, 2, 1, 0, []string{"/v1/responses", "/v1/messages"}, []string{"Qwen3-8B-Q4_K_M.gguf"}},
+		// The loaded models' context_length (/api/ps); no queue figures.
+		{"ollama", EngineOllama, "0.12.6", 8192 + 2048, 0, 0, 0, []string{"/v1/responses", "/v1/messages"}, []string{"llama3.2:latest", "nomic-embed-text:latest"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			srv := fixtureEngine(t, c.name)
+			var log bytes.Buffer
+			a := fixtureAgent(t, srv.URL, &log)
+			a.refresh(context.Background())
+			e := a.Engine()
+			if e.Kind != c.kind || e.Version != c.version || !slices.Equal(e.APIs, c.apis) {
+				t.Fatalf("engine %+v, want kind %s version %s APIs %v", e, c.kind, c.version, c.apis)
+			}
+			if got := a.KVCapacityTokens(); got != c.capacity {
+				t.Fatalf("KV capacity %d tokens, want %d", got, c.capacity)
+			}
+			m := a.Metrics()
+			if m.Running != c.running || m.Waiting != c.waiting || m.KVCacheUsage != c.kv {
+				t.Fatalf("load %+v, want running %d waiting %d kv %v", m, c.running, c.waiting, c.kv)
+			}
+			info := a.Info()
+			if !slices.Equal(info.Models, c.models) || !slices.Equal(info.APIs, c.apis) || info.Draining {
+				t.Fatalf("join info %+v", info)
+			}
+			if !strings.Contains(log.String(), `"engine":"`+string(c.kind)+`"`) || !strings.Contains(log.String(), "engine recognised") {
+				t.Fatalf("log does not say what was found: %s", log.String())
+			}
+			// The agent forwards exactly the optional APIs listed.
+			for _, p := range optionalAPIs {
+				if _, ok := a.optionalRoute(p, http.MethodPost); ok != slices.Contains(c.apis, p) {
+					t.Errorf("route %s forwarded: %v", p, ok)
+				}
+			}
+		})
+	}
+}
+
+// TestUnknownEngine: an engine that is none of the known kinds still
+// serves its models, with one clear log line and no load figures.
+func TestUnknownEngine(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model","owned_by":"someone"}]}`)
+			return
+		}
+		http.NotFound(w, r)
+	}))
+	defer srv.Close()
+	var log bytes.Buffer
+	a := fixtureAgent(t, srv.URL, &log)
+	a.refresh(context.Background())
+	if e := a.Engine(); e.Kind != EngineUnknown || len(e.APIs) != 0 || a.KVCapacityTokens() != 0 {
+		t.Fatalf("engine %+v", e)
+	}
+	if info := a.Info(); !slices.Equal(info.Models, []string{"m"}) || info.Draining {
+		t.Fatalf("info %+v", info)
+	}
+	if n := strings.Count(log.String(), "engine not recognised"); n != 1 {
+		t.Fatalf("want one log line, got %d: %s", n, log.String())
+	}
+	a.refresh(context.Background())
+	if n := strings.Count(log.String(), "engine not recognised"); n != 1 {
+		t.Fatalf("the log line repeats on every refresh: %s", log.String())
+	}
+	if _, ok := a.optionalRoute("/v1/responses", http.MethodPost); ok {
+		t.Fatal("an unknown engine's /v1/responses is forwarded unasked")
+	}
+}
+
+func TestCacheConfigTokens(t *testing.T) {
+	for line, want := range map[string]int{
+		`vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0`:             1600,
+		`vllm:cache_config_info{num_gpu_blocks="None",block_size="16"} 1.0`:            0,
+		`vllm:cache_config_info{a="x\"y",block_size="32",num_gpu_blocks="10"} 1`:       320,
+		`vllm:cache_config_info{block_size="16",num_gpu_blocks="99999999999999999"} 1`: 0,
+		`vllm:cache_config_info{block_size=16} 1`:                                      0,
+	} {
+		if got := cacheConfigTokens(line); got != want {
+			t.Errorf("%s: %d, want %d", line, got, want)
+		}
+	}
+}

@@ -1,0 +1,464 @@
+package relay
+
+import (
+	"bufio"
+	"bytes"
+	"container/list"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/peer"
+
+	"github.com/computeflux/computeflux/scheduler"
+)
+
+// The Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id})
+// and the Anthropic-style /v1/messages are routed like chat, with two
+// additions:
+//   - only agents whose engine lists the path (transport.JoinInfo.APIs) may
+//     serve it;
+//   - previous_response_id is a hard affinity: the engine that produced a
+//     response stores it, so the relay remembers which agent answered each
+//     response id and sends the follow-up (and GET, DELETE) there and only
+//     there. An id the relay did not see answered, or whose agent left, gets
+//     OpenAI's 404, never an answer from an engine that lacks the context.
+
+// Paths of the APIs served only by agents that list them.
+const (
+	pathResponses = "/v1/responses"
+	pathMessages  = "/v1/messages"
+)
+
+// maxScanBytes bounds how much of a response the relay reads to find its id.
+const maxScanBytes = 64 << 10
+
+// respEntry is where one response lives.
+type respEntry struct {
+	id    string
+	agent string
+	peer  peer.ID
+	model string
+	seen  time.Time // last stored or used
+}
+
+// responseStore maps response ids to the agent that holds them: bounded
+// (least recently used evicted) and expiring after ttl without use, like
+// the scheduler's sessions. It is safe for concurrent use.
+type responseStore struct {
+	ttl time.Duration
+	max int
+
+	mu   sync.Mutex // guards the following fields
+	byID map[string]*list.Element
+	lru  *list.List // of *respEntry, most recent at the front
+}
+
+func newResponseStore(ttl time.Duration, max int) *responseStore {
+	return &responseStore{ttl: ttl, max: max, byID: make(map[string]*list.Element), lru: list.New()}
+}
+
+// put records that agent (peer p) holds response id for model.
+func (s *responseStore) put(id, agent string, p peer.ID, model string, now time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if el, ok := s.byID[id]; ok {
+		e := el.Value.(*respEntry)
+		e.agent, e.peer, e.model, e.seen = agent, p, model, now
+		s.lru.MoveToFront(el)
+		return
+	}
+	s.byID[id] = s.lru.PushFront(&respEntry{id: id, agent: agent, peer: p, model: model, seen: now})
+	for s.lru.Len() > s.max {
+		s.removeLocked(s.lru.Back())
+	}
+}
+
+// get returns where response id lives and refreshes it; false when unknown
+// or expired.
+func (s *responseStore) get(id string, now time.Time) (respEntry, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.expireLocked(now)
+	el, ok := s.byID[id]
+	if !ok {
+		return respEntry{}, false
+	}
+	e := el.Value.(*respEntry)
+	e.seen = now
+	s.lru.MoveToFront(el)
+	return *e, true
+}
+
+// drop forgets response id.
+func (s *responseStore) drop(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if el, ok := s.byID[id]; ok {
+		s.removeLocked(el)
+	}
+}
+
+func (s *responseStore) expireLocked(now time.Time) {
+	for el := s.lru.Back(); el != nil && now.Sub(el.Value.(*respEntry).seen) > s.ttl; el = s.lru.Back() {
+		s.removeLocked(el)
+	}
+}
+
+func (s *responseStore) removeLocked(el *list.Element) {
+	delete(s.byID, el.Value.(*respEntry).id)
+	s.lru.Remove(el)
+}
+
+// agentsServing returns the names of the joined agents whose engines list
+// path. The set is taken under the registry's lock and then used by the
+// scheduler's Allow without it (the registry calls the scheduler under its
+// lock, never the other way round).
+func (g *Registry) agentsServing(path string) map[string]bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	set := make(map[string]bool)
+	for name, e := range g.byName {
+		if slices.Contains(e.info.APIs, path) {
+			set[name] = true
+		}
+	}
+	return set
+}
+
+// agentPeer returns the peer that agent name is joined as.
+func (g *Registry) agentPeer(name string) (peer.ID, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e, ok := g.byName[name]
+	if !ok {
+		return "", false
+	}
+	return e.peer, true
+}
+
+// errResponseNotFound is OpenAI's answer for a response id it does not hold.
+func errResponseNotFound(id, param string) *Error {
+	msg := "Response with id '" + id + "' not found."
+	if param == "previous_response_id" {
+		msg = "Previous response with id '" + id + "' not found."
+	}
+	e := &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Message: msg, Param: param}
+	if param != "" {
+		e.Code = "previous_response_not_found"
+	}
+	return e
+}
+
+// errAPINotServed answers a path no joined agent's engine serves.
+func errAPINotServed(path string) *Error {
+	return &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "unknown_url",
+		Message: "No agent's engine serves " + path + " right now"}
+}
+
+// responsesFields are the body fields that route a Responses request.
+type responsesFields struct {
+	PreviousResponseID json.RawMessage `json:"previous_response_id"`
+	Store              json.RawMessage `json:"store"`
+}
+
+// routeAPI completes sr for the paths served only by some engines and
+// returns the writer the attempt writes through. For chat, completions and
+// embeddings it changes nothing.
+func (r *Relay) routeAPI(w http.ResponseWriter, req *http.Request, body []byte, model string, sr *scheduler.Request) (http.ResponseWriter, error) {
+	path := req.URL.Path
+	if path != pathResponses && path != pathMessages {
+		return w, nil
+	}
+	serving := r.reg.agentsServing(path)
+	if path == pathMessages {
+		if len(serving) == 0 {
+			return nil, errAPINotServed(path)
+		}
+		sr.Allow = func(id string) bool { return serving[id] }
+		return w, nil
+	}
+	var f responsesFields
+	if err := json.Unmarshal(body, &f); err != nil {
+		return nil, errBadRequest("invalid_json", "The request body is not valid JSON", err)
+	}
+	store := string(f.Store) != "false"
+	if len(f.PreviousResponseID) > 0 && string(f.PreviousResponseID) != "null" {
+		var prev string
+		if err := json.Unmarshal(f.PreviousResponseID, &prev); err != nil {
+			return nil, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "invalid_type",
+				Param: "previous_response_id", Message: "'previous_response_id' must be a string"}
+		}
+		e, err := r.locateResponse(prev, "previous_response_id")
+		if err != nil {
+			return nil, err
+		}
+		sr.Allow = func(id string) bool { return id == e.agent }
+	} else {
+		if len(serving) == 0 {
+			return nil, errAPINotServed(path)
+		}
+		sr.Allow = func(id string) bool { return serving[id] }
+	}
+	if !store {
+		return w, nil
+	}
+	return &responseIDWriter{ResponseWriter: w, r: r, model: model}, nil
+}
+
+// locateResponse returns where response id lives, or OpenAI's 404 when the
+// relay never saw it answered, it expired, or its agent is gone.
+func (r *Relay) locateResponse(id, param string) (respEntry, error) {
+	e, ok := r.responses.get(id, r.cfg.Clock.Now())
+	if !ok {
+		return respEntry{}, errResponseNotFound(id, param)
+	}
+	if p, ok := r.reg.agentPeer(e.agent); !ok || p != e.peer {
+		// The engine that stored it is out of reach (or another process
+		// now holds the name): no other engine has this context.
+		r.responses.drop(id)
+		return respEntry{}, errResponseNotFound(id, param)
+	}
+	return e, nil
+}
+
+// responseIDWriter passes a Responses answer to the client and records, on
+// the way, the response id and the agent that produced it (read from the
+// routing header the attempt sets before the status).
+type responseIDWriter struct {
+	http.ResponseWriter
+	r      *Relay
+	model  string
+	agent  string // set by WriteHeader on a 2xx
+	sse    bool
+	done   bool // id found, or the scan gave up
+	buf    []byte
+	status int
+}
+
+// Unwrap lets http.ResponseController reach the real writer (Flush,
+// deadlines).
+func (w *responseIDWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+func (w *responseIDWriter) WriteHeader(status int) {
+	w.status = status
+	if status/100 == 2 {
+		// The attempt sets the header under its documented spelling,
+		// not the canonical one.
+		//lint:ignore SA1008 the key is set without canonicalising (proxy.go)
+		if v := w.Header()[HeaderAgent]; len(v) > 0 {
+			w.agent = v[0]
+		}
+		w.sse = strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream")
+	} else {
+		w.done = true
+	}
+	w.ResponseWriter.WriteHeader(status)
+}
+
+func (w *responseIDWriter) Write(p []byte) (int, error) {
+	if w.status == 0 {
+		w.WriteHeader(http.StatusOK)
+	}
+	if !w.done && w.agent != "" {
+		w.buf = append(w.buf, p[:min(len(p), maxScanBytes-len(w.buf))]...)
+		if id, ok := scanResponseID(w.buf, w.sse); ok {
+			w.done = true
+			if pid, ok := w.r.reg.agentPeer(w.agent); ok {
+				w.r.responses.put(id, w.agent, pid, w.model, w.r.cfg.Clock.Now())
+			}
+		} else if len(w.buf) >= maxScanBytes {
+			w.done = true
+		}
+		if w.done {
+			w.buf = nil
+		}
+	}
+	return w.ResponseWriter.Write(p)
+}
+
+// scanResponseID finds a Responses API response id at the start of a body:
+// the top-level "id" of a response object, or, in an event stream, the
+// response.id of its first event that carries one (response.created). It
+// returns false while the id may still come.
+func scanResponseID(b []byte, sse bool) (string, bool) {
+	if !sse {
+		return topLevelID(b)
+	}
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	sc.Buffer(make([]byte, 0, 4096), maxScanBytes)
+	for sc.Scan() {
+		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data:"))
+		if !ok {
+			continue
+		}
+		var ev struct {
+			Response struct {
+				ID string `json:"id"`
+			} `json:"response"`
+		}
+		// A line at the end of b may be cut: it fails to decode and is
+		// read again, whole, with the next write.
+		if json.Unmarshal(bytes.TrimSpace(data), &ev) == nil && validResponseID(ev.Response.ID) {
+			return ev.Response.ID, true
+		}
+	}
+	return "", false
+}
+
+// topLevelID reads the object's keys in order up to "id"; a body cut short
+// before it returns false.
+func topLevelID(b []byte) (string, bool) {
+	dec := json.NewDecoder(bytes.NewReader(b))
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return "", false
+	}
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return "", false
+		}
+		key, _ := t.(string)
+		if key == "id" {
+			var id string
+			if dec.Decode(&id) == nil && validResponseID(id) {
+				return id, true
+			}
+			return "", false
+		}
+		var skip json.RawMessage
+		if err := dec.Decode(&skip); err != nil {
+			return "", false
+		}
+	}
+	return "", false
+}
+
+// validResponseID bounds what the relay remembers.
+func validResponseID(id string) bool {
+	return id != "" && len(id) <= 256
+}
+
+// serveStoredResponse forwards GET and DELETE /v1/responses/{id}[/...] to
+// the agent holding the response.
+func (r *Relay) serveStoredResponse(w http.ResponseWriter, req *http.Request, rest string) {
+	id, sub, _ := strings.Cut(rest, "/")
+	allowed := "GET, DELETE"
+	switch sub {
+	case "":
+	case "input_items":
+		allowed = "GET"
+	case "cancel":
+		allowed = "POST"
+	default:
+		writeError(w, errNotFound(req.URL.Path))
+		return
+	}
+	if !slices.Contains(strings.Split(allowed, ", "), req.Method) {
+		writeError(w, errMethod(req.Method, allowed))
+		return
+	}
+	if !r.auth(w, req) {
+		return
+	}
+	start := r.cfg.Clock.Now()
+	rl := &reqLog{path: pathResponses + "/{id}"}
+	err := r.forwardStored(w, req, id, rl)
+	if err != nil {
+		rl.status = writeError(w, err).Status
+		rl.err = err
+	}
+	r.log.Info().Str("path", rl.path).Str("method", req.Method).Str("agent", rl.agent).
+		Int("status", rl.status).Dur("duration", r.cfg.Clock.Now().Sub(start)).AnErr("error", rl.err).Msg("request")
+}
+
+func (r *Relay) forwardStored(w http.ResponseWriter, req *http.Request, id string, rl *reqLog) error {
+	e, err := r.locateResponse(id, "")
+	if err != nil {
+		return err
+	}
+	rl.agent, rl.model = e.agent, e.model
+	upHost, ok := r.reg.upstreamHost(e.agent)
+	if !ok {
+		return errResponseNotFound(id, "")
+	}
+	var body io.Reader
+	if req.Method == http.MethodPost {
+		b, err := readBody(w, req, r.cfg.MaxBodyBytes)
+		if err != nil {
+			return err
+		}
+		body = bytes.NewReader(b)
+	}
+	u := "http://" + upHost + req.URL.Path
+	if req.URL.RawQuery != "" {
+		u += "?" + req.URL.RawQuery
+	}
+	up, err := http.NewRequestWithContext(req.Context(), req.Method, u, body)
+	if err != nil {
+		return err
+	}
+	copyRequestHeaders(up.Header, req.Header)
+	resp, err := r.rt.RoundTrip(up)
+	if err != nil {
+		if req.Context().Err() != nil {
+			return errClientGone
+		}
+		return errBadGateway(1, err)
+	}
+	defer resp.Body.Close()
+	h := w.Header()
+	for k, vv := range resp.Header {
+		if !hopHeaders[k] {
+			h[k] = vv
+		}
+	}
+	h[HeaderAgent] = []string{e.agent}
+	rl.status = resp.StatusCode
+	if req.Method == http.MethodDelete && resp.StatusCode/100 == 2 {
+		r.responses.drop(id)
+	}
+	w.WriteHeader(resp.StatusCode)
+	rc := http.NewResponseController(w)
+	bp := bufPool.Get().(*[]byte)
+	defer bufPool.Put(bp)
+	for {
+		n, rerr := resp.Body.Read(*bp)
+		if n > 0 {
+			if _, werr := w.Write((*bp)[:n]); werr != nil {
+				return nil
+			}
+			_ = rc.Flush()
+		}
+		if rerr != nil {
+			if !errors.Is(rerr, io.EOF) {
+				rl.err = rerr
+			}
+			return nil
+		}
+	}
+}
+
+// streamErrorEventFor is the event that ends a stream broken after its
+// first byte, in the shape of the stream's own API: the Responses API's
+// "error" event, Anthropic's "error" event, or OpenAI's chat error chunk.
+func streamErrorEventFor(path, msg, code string) []byte {
+	var b []byte
+	switch path {
+	case pathResponses:
+		b, _ = json.Marshal(map[string]any{"type": "error", "code": code, "message": msg, "param": nil})
+	case pathMessages:
+		b, _ = json.Marshal(map[string]any{"type": "error", "error": map[string]string{"type": "api_error", "message": msg}})
+	default:
+		return streamErrorEvent(msg, code)
+	}
+	out := make([]byte, 0, len(b)+24)
+	out = append(out, "event: error\ndata: "...)
+	out = append(out, b...)
+	return append(out, "\n\n"...)
+}

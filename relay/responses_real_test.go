@@ -1,0 +1,281 @@
+package relay_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/agent"
+	"github.com/computeflux/computeflux/agent/simengine"
+)
+
+// simAgent is a sim engine on a loopback port with a package agent in front
+// of it, joined to the relay over QUIC.
+type simAgent struct {
+	eng   *simengine.Server
+	agent *agent.Agent
+	stop  func()
+}
+
+func startSimAgent(t testing.TB, rl *itRelay, name string) *simAgent {
+	t.Helper()
+	eng, err := simengine.New(simengine.Config{Listen: "127.0.0.1:0", TimeScale: 200, DefaultMaxTokens: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := eng.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	ectx, ecancel := context.WithCancel(context.Background())
+	edone := make(chan error, 1)
+	go func() { edone <- eng.Run(ectx) }()
+	a, err := agent.New(agent.Config{
+		Relay:        rl.r.Addrs()[0].String(),
+		Token:        itToken,
+		Upstream:     eng.URL(),
+		Name:         name,
+		ListenAddrs:  []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
+		Logger:       zerolog.New(io.Discard),
+		MinBackoff:   20 * time.Millisecond,
+		MaxBackoff:   500 * time.Millisecond,
+		DrainTimeout: 2 * time.Second,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	actx, acancel := context.WithCancel(context.Background())
+	adone := make(chan error, 1)
+	go func() { adone <- a.Run(actx) }()
+	sa := &simAgent{eng: eng, agent: a}
+	stopped := false
+	sa.stop = func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		acancel()
+		<-adone
+		ecancel()
+		<-edone
+	}
+	t.Cleanup(sa.stop)
+	return sa
+}
+
+// waitResponsesAgents waits until the named agents are joined listing the
+// Responses API.
+func waitResponsesAgents(t testing.TB, rl *itRelay, sas ...*simAgent) {
+	t.Helper()
+	waitFor(t, "agents recognised their engines", func() bool {
+		for _, sa := range sas {
+			if !slices.Contains(sa.agent.Engine().APIs, "/v1/responses") {
+				return false
+			}
+		}
+		return true
+	})
+	names := make([]string, len(sas))
+	for i, sa := range sas {
+		names[i] = sa.agent.Info().Name
+	}
+	waitAgents(t, rl, names...)
+}
+
+func postJSON(t testing.TB, url, body string) (*http.Response, []byte) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+itKey)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, b
+}
+
+// TestResponsesThroughRealParts drives the Responses API through a relay,
+// package agents and sim engines over QUIC: a conversation chained by
+// previous_response_id stays on the engine that stores it and hits its
+// cache; when that agent leaves, the follow-up gets OpenAI's 404.
+func TestResponsesThroughRealParts(t *testing.T) {
+	rl := startRelay(t, "", "")
+	sas := map[string]*simAgent{}
+	for _, n := range []string{"r1", "r2", "r3"} {
+		sas[n] = startSimAgent(t, rl, n)
+	}
+	waitResponsesAgents(t, rl, sas["r1"], sas["r2"], sas["r3"])
+	if e := sas["r1"].agent.Engine(); e.Kind != agent.EngineSim || e.KVCapacityTokens <= 0 {
+		t.Fatalf("engine recognised as %+v", e)
+	}
+
+	type usage struct {
+		InputTokens        int `json:"input_tokens"`
+		InputTokensDetails struct {
+			CachedTokens int `json:"cached_tokens"`
+		} `json:"input_tokens_details"`
+	}
+	var r struct {
+		ID    string `json:"id"`
+		Usage usage  `json:"usage"`
+	}
+	sys := simengine.Filler(1, 400)
+	resp, b := postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"instructions":%q,"input":"Hello"}`, simengine.DefaultModel, sys))
+	if resp.StatusCode != http.StatusOK || json.Unmarshal(b, &r) != nil || r.ID == "" {
+		t.Fatalf("first turn: %d %s", resp.StatusCode, b)
+	}
+	home := resp.Header.Get("X-ComputeFlux-Agent")
+	for turn := 1; turn <= 4; turn++ {
+		stream := turn%2 == 0
+		resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"turn %d","previous_response_id":%q,"stream":%v}`,
+			simengine.DefaultModel, turn, r.ID, stream))
+		if resp.StatusCode != http.StatusOK || resp.Header.Get("X-ComputeFlux-Agent") != home {
+			t.Fatalf("turn %d: %d on %s (home %s): %s", turn, resp.StatusCode, resp.Header.Get("X-ComputeFlux-Agent"), home, b)
+		}
+		if stream {
+			var last string
+			for _, l := range strings.Split(string(b), "\n") {
+				if d, ok := strings.CutPrefix(l, "data: "); ok {
+					last = d
+				}
+			}
+			if !strings.Contains(string(b), "event: response.created\n") || !strings.Contains(string(b), "event: response.output_text.delta\n") {
+				t.Fatalf("turn %d: event names lost:\n%s", turn, b)
+			}
+			var ev struct {
+				Type     string
+				Response json.RawMessage
+			}
+			if json.Unmarshal([]byte(last), &ev) != nil || ev.Type != "response.completed" {
+				t.Fatalf("turn %d: last event %s", turn, last)
+			}
+			b = ev.Response
+		}
+		if err := json.Unmarshal(b, &r); err != nil {
+			t.Fatal(err)
+		}
+		if r.Usage.InputTokensDetails.CachedTokens < 400 {
+			t.Fatalf("turn %d: cached %d of %d input tokens: the follow-up missed the cache", turn, r.Usage.InputTokensDetails.CachedTokens, r.Usage.InputTokens)
+		}
+	}
+	// GET through the relay reaches the holder.
+	req, _ := http.NewRequest(http.MethodGet, rl.url+"/v1/responses/"+r.ID, nil)
+	req.Header.Set("Authorization", "Bearer "+itKey)
+	gr, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gb, _ := io.ReadAll(gr.Body)
+	gr.Body.Close()
+	if gr.StatusCode != http.StatusOK || !strings.Contains(string(gb), r.ID) {
+		t.Fatalf("GET: %d %s", gr.StatusCode, gb)
+	}
+
+	// The holder goes: the follow-up is OpenAI's 404, not another engine's
+	// answer without the context.
+	sas[home].stop()
+	waitFor(t, "holder gone", func() bool {
+		for _, a := range rl.r.Registry().Agents() {
+			if a.Name == home {
+				return false
+			}
+		}
+		return true
+	})
+	resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"again","previous_response_id":%q}`, simengine.DefaultModel, r.ID))
+	if resp.StatusCode != http.StatusNotFound || !strings.Contains(string(b), `"code":"previous_response_not_found"`) {
+		t.Fatalf("after the holder left: %d %s", resp.StatusCode, b)
+	}
+	// A fresh conversation still works on the others.
+	if resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"new"}`, simengine.DefaultModel)); resp.StatusCode != http.StatusOK {
+		t.Fatalf("new conversation: %d %s", resp.StatusCode, b)
+	}
+	// The sim engine does not serve /v1/messages: nobody lists it.
+	if resp, b = postJSON(t, rl.url+"/v1/messages", fmt.Sprintf(`{"model":%q,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, simengine.DefaultModel)); resp.StatusCode != http.StatusNotFound {
+		t.Fatalf("/v1/messages: %d %s", resp.StatusCode, b)
+	}
+}
+
+// TestOpenAINodeResponses drives the Responses API through the relay with
+// the official OpenAI Node client (npm "openai", pinned): responses.create
+// streamed and not, and a two-turn previous_response_id conversation. It
+// is skipped, with the reason, when node or npm is missing or the registry
+// is out of reach.
+func TestOpenAINodeResponses(t *testing.T) {
+	if testing.Short() {
+		t.Skip("skipped in -short mode: installs the npm package openai")
+	}
+	node, err := exec.LookPath("node")
+	if err != nil {
+		t.Skip("node is not installed; skipping the OpenAI Node client test")
+	}
+	npm, err := exec.LookPath("npm")
+	if err != nil {
+		t.Skip("npm is not installed; skipping the OpenAI Node client test")
+	}
+	dir := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	install := exec.CommandContext(ctx, npm, "install", "--prefix", dir, "--no-audit", "--no-fund", "--loglevel=error", "openai@"+openaiNodeVersion)
+	install.Env = append(os.Environ(), "npm_config_update_notifier=false")
+	if out, err := install.CombinedOutput(); err != nil {
+		t.Skipf("npm install openai failed (registry unavailable?); skipping: %v\n%s", err, out)
+	}
+	rl := startRelay(t, "", "")
+	a, b := startSimAgent(t, rl, "n1"), startSimAgent(t, rl, "n2")
+	waitResponsesAgents(t, rl, a, b)
+	script, err := filepath.Abs(filepath.Join("testdata", "openai_responses.mjs"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.CommandContext(ctx, node, script, dir)
+	cmd.Env = append(os.Environ(), "RELAY_URL="+rl.url, "API_KEY="+itKey, "MODEL="+simengine.DefaultModel)
+	out, err := cmd.Output()
+	if err != nil {
+		var stderr string
+		if ee, ok := err.(*exec.ExitError); ok {
+			stderr = string(ee.Stderr)
+		}
+		t.Fatalf("node client: %v\n%s\n%s", err, out, stderr)
+	}
+	var got struct {
+		Text, StreamedText, SecondText string
+		ID, StreamedID, SecondPrev     string
+		Events                         []string
+		Agents                         []string
+		SecondCached                   int
+		MissingError                   string
+	}
+	if err := json.Unmarshal(out, &got); err != nil {
+		t.Fatalf("node output %q: %v", out, err)
+	}
+	t.Logf("node client saw %+v", got)
+	if got.Text == "" || !strings.HasPrefix(got.ID, "resp_") {
+		t.Errorf("non-streamed: %q %q", got.Text, got.ID)
+	}
+	if got.StreamedText == "" || got.Events[0] != "response.created" || got.Events[len(got.Events)-1] != "response.completed" ||
+		!slices.Contains(got.Events, "response.output_text.delta") {
+		t.Errorf("streamed: %q, events %v", got.StreamedText, got.Events)
+	}
+	if got.SecondPrev != got.ID || got.SecondText == "" || got.SecondCached == 0 || got.Agents[0] != got.Agents[1] {
+		t.Errorf("second turn: previous %q (want %q), cached %d, agents %v", got.SecondPrev, got.ID, got.SecondCached, got.Agents)
+	}
+	if got.MissingError != "404 previous_response_not_found" {
+		t.Errorf("unknown previous_response_id as the SDK sees it: %q", got.MissingError)
+	}
+}
+
+// openaiNodeVersion pins the OpenAI Node client the Responses test runs.
+const openaiNodeVersion = "7.59.0"

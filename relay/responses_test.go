@@ -1,0 +1,258 @@
+package relay
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/computeflux/computeflux/transport"
+)
+
+// responsesEngine answers the Responses API like an engine that stores its
+// responses: ids name the engine; GET and DELETE know only its own.
+func responsesEngine(e *engine, n *atomic.Int64) {
+	e.set(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		switch {
+		case r.Method == http.MethodPost && r.URL.Path == "/v1/responses":
+			id := fmt.Sprintf("resp_%s_%d", e.name, n.Add(1))
+			if strings.Contains(string(body), `"stream":true`) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				fmt.Fprintf(w, "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":%q,\"object\":\"response\",\"status\":\"in_progress\"}}\n\n", id)
+				fmt.Fprintf(w, "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"sequence_number\":1,\"delta\":\"hi\"}\n\n")
+				if strings.Contains(string(body), "cut") {
+					w.(http.Flusher).Flush()
+					panic(http.ErrAbortHandler) // the engine dies mid-stream
+				}
+				fmt.Fprintf(w, "event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":2,\"response\":{\"id\":%q,\"object\":\"response\",\"status\":\"completed\"}}\n\n", id)
+				return
+			}
+			w.Header().Set("Content-Type", "application/json")
+			fmt.Fprintf(w, `{"id":%q,"object":"response","status":"completed","output":[],"agent":%q}`, id, e.name)
+		case strings.HasPrefix(r.URL.Path, "/v1/responses/resp_"+e.name+"_"):
+			w.Header().Set("Content-Type", "application/json")
+			id := strings.TrimPrefix(r.URL.Path, "/v1/responses/")
+			if r.Method == http.MethodDelete {
+				fmt.Fprintf(w, `{"id":%q,"object":"response","deleted":true}`, id)
+				return
+			}
+			fmt.Fprintf(w, `{"id":%q,"object":"response","status":"completed","agent":%q}`, id, e.name)
+		case r.URL.Path == "/v1/messages":
+			w.Header().Set("Content-Type", "application/json")
+			fmt.Fprintf(w, `{"id":"msg_1","type":"message","role":"assistant","content":[{"type":"text","text":"from %s"}]}`, e.name)
+		default:
+			w.WriteHeader(http.StatusNotFound)
+		}
+	})
+}
+
+func responseID(t *testing.T, resp *http.Response) (string, string) {
+	t.Helper()
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("status %d: %s", resp.StatusCode, b)
+	}
+	var v struct{ ID string }
+	if err := json.Unmarshal(b, &v); err != nil {
+		t.Fatalf("%s: %v", b, err)
+	}
+	return v.ID, resp.Header.Get(HeaderAgent)
+}
+
+// wantNotFound checks OpenAI's 404 for an unknown response.
+func wantNotFound(t *testing.T, resp *http.Response, param string) {
+	t.Helper()
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	var v struct {
+		Error struct {
+			Message string  `json:"message"`
+			Type    string  `json:"type"`
+			Param   *string `json:"param"`
+			Code    *string `json:"code"`
+		} `json:"error"`
+	}
+	if resp.StatusCode != http.StatusNotFound || json.Unmarshal(b, &v) != nil || v.Error.Type != "invalid_request_error" || !strings.Contains(v.Error.Message, "not found") {
+		t.Fatalf("want OpenAI's 404, got %d %s", resp.StatusCode, b)
+	}
+	if param == "" {
+		if v.Error.Param != nil || v.Error.Code != nil {
+			t.Fatalf("param and code should be null: %s", b)
+		}
+		return
+	}
+	if v.Error.Param == nil || *v.Error.Param != param || v.Error.Code == nil || *v.Error.Code != "previous_response_not_found" {
+		t.Fatalf("want param %s and code previous_response_not_found: %s", param, b)
+	}
+}
+
+func TestResponsesHardAffinity(t *testing.T) {
+	apis := []string{pathResponses}
+	tb := newTestbed(t, nil, nil)
+	var n atomic.Int64
+	for _, name := range []string{"a", "b", "c"} {
+		responsesEngine(tb.addAgent(name, []string{"m1"}), &n)
+		if err := tb.relay.Registry().Joined(tb.peers[name], transport.JoinInfo{Name: name, Models: []string{"m1"}, APIs: apis}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// d serves m1 but not the Responses API: never picked for it.
+	responsesEngine(tb.addAgent("d", []string{"m1"}), &n)
+
+	wantNotFound(t, tb.do("POST", "/v1/responses", `{"model":"m1","input":"hi","previous_response_id":"resp_nobody"}`), "previous_response_id")
+	wantNotFound(t, tb.do("GET", "/v1/responses/resp_nobody", ""), "")
+
+	first := map[string]string{}
+	for i := 0; i < 12; i++ {
+		id, agent := responseID(t, tb.do("POST", "/v1/responses", fmt.Sprintf(`{"model":"m1","input":"hi %d"}`, i)))
+		if agent == "d" {
+			t.Fatalf("agent d does not list /v1/responses but served it")
+		}
+		first[id] = agent
+	}
+	if tb.engines["d"].hits.Load() != 0 {
+		t.Fatalf("d got %d requests", tb.engines["d"].hits.Load())
+	}
+	for id, agent := range first {
+		// Follow-ups, whatever session key they carry, go where the
+		// response lives, turn after turn.
+		prev := id
+		for turn := 0; turn < 3; turn++ {
+			next, got := responseID(t, tb.do("POST", "/v1/responses",
+				fmt.Sprintf(`{"model":"m1","input":"more","previous_response_id":%q,"prompt_cache_key":"k%d"}`, prev, turn)))
+			if got != agent {
+				t.Fatalf("follow-up of %s (on %s) went to %s", prev, agent, got)
+			}
+			prev = next
+		}
+		// Streamed follow-up: the id in response.created is remembered
+		// and the event names pass through.
+		resp := tb.do("POST", "/v1/responses", fmt.Sprintf(`{"model":"m1","input":"x","stream":true,"previous_response_id":%q}`, prev))
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.Header.Get(HeaderAgent) != agent || !strings.Contains(string(b), "event: response.created\n") || !strings.Contains(string(b), "event: response.completed\n") {
+			t.Fatalf("stream: agent %s, body %s", resp.Header.Get(HeaderAgent), b)
+		}
+		var streamedID string
+		for _, l := range strings.Split(string(b), "\n") {
+			if d, ok := strings.CutPrefix(l, "data: "); ok && strings.Contains(d, "response.created") {
+				var ev struct{ Response struct{ ID string } }
+				_ = json.Unmarshal([]byte(d), &ev)
+				streamedID = ev.Response.ID
+			}
+		}
+		if _, got := responseID(t, tb.do("POST", "/v1/responses", fmt.Sprintf(`{"model":"m1","input":"x","previous_response_id":%q}`, streamedID))); got != agent {
+			t.Fatalf("follow-up of streamed %s went to %s, want %s", streamedID, got, agent)
+		}
+		// GET and DELETE reach the holder; after DELETE the id is gone.
+		resp = tb.do("GET", "/v1/responses/"+id, "")
+		b, _ = io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"agent":"`+agent+`"`) {
+			t.Fatalf("GET %s: %d %s", id, resp.StatusCode, b)
+		}
+		resp = tb.do("DELETE", "/v1/responses/"+id, "")
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("DELETE: %d", resp.StatusCode)
+		}
+		wantNotFound(t, tb.do("GET", "/v1/responses/"+id, ""), "")
+		wantNotFound(t, tb.do("POST", "/v1/responses", fmt.Sprintf(`{"model":"m1","input":"x","previous_response_id":%q}`, id)), "previous_response_id")
+		resp = tb.do("PUT", "/v1/responses/"+id, "")
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusMethodNotAllowed {
+			t.Fatalf("PUT: %d", resp.StatusCode)
+		}
+		break
+	}
+
+	// The holder leaves: its responses are unknown, not served elsewhere.
+	var id, holder string
+	for id, holder = range first {
+		break
+	}
+	before := map[string]int64{}
+	for name, e := range tb.engines {
+		before[name] = e.hits.Load()
+	}
+	tb.relay.Registry().Left(tb.peers[holder])
+	wantNotFound(t, tb.do("POST", "/v1/responses", fmt.Sprintf(`{"model":"m1","input":"x","previous_response_id":%q}`, id)), "previous_response_id")
+	for name, e := range tb.engines {
+		if e.hits.Load() != before[name] {
+			t.Fatalf("engine %s was asked about a response it does not hold", name)
+		}
+	}
+	// A store:false response is not remembered.
+	rid, _ := responseID(t, tb.do("POST", "/v1/responses", `{"model":"m1","input":"x","store":false}`))
+	wantNotFound(t, tb.do("GET", "/v1/responses/"+rid, ""), "")
+}
+
+func TestResponsesStreamCutEndsWithErrorEvent(t *testing.T) {
+	tb := newTestbed(t, nil, nil)
+	var n atomic.Int64
+	responsesEngine(tb.addAgent("a", []string{"m1"}), &n)
+	if err := tb.relay.Registry().Joined(tb.peers["a"], transport.JoinInfo{Name: "a", Models: []string{"m1"}, APIs: []string{pathResponses}}); err != nil {
+		t.Fatal(err)
+	}
+	resp := tb.do("POST", "/v1/responses", `{"model":"m1","input":"cut","stream":true}`)
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	events := strings.Split(strings.TrimSpace(string(b)), "\n\n")
+	last := events[len(events)-1]
+	data, ok := strings.CutPrefix(last, "event: error\ndata: ")
+	if !ok {
+		t.Fatalf("stream did not end with the Responses API's error event:\n%s", b)
+	}
+	var ev struct {
+		Type, Code, Message string
+	}
+	if err := json.Unmarshal([]byte(data), &ev); err != nil || ev.Type != "error" || ev.Code != "upstream_failed" || ev.Message == "" {
+		t.Fatalf("error event %q: %v", data, err)
+	}
+	if !strings.HasPrefix(events[0], "event: response.created\n") {
+		t.Fatalf("first event %q", events[0])
+	}
+}
+
+func TestMessagesRoutedToEnginesThatServeThem(t *testing.T) {
+	tb := newTestbed(t, []string{"a", "b"}, nil)
+	body := `{"model":"m1","max_tokens":10,"messages":[{"role":"user","content":"hi"}]}`
+	if e := apiError(t, tb.do("POST", "/v1/messages", body)); e.Code != "unknown_url" {
+		t.Fatalf("no engine serves /v1/messages: %+v", e)
+	}
+	var n atomic.Int64
+	responsesEngine(tb.engines["b"], &n)
+	if err := tb.relay.Registry().Joined(tb.peers["b"], transport.JoinInfo{Name: "b", Models: []string{"m1"}, APIs: []string{pathMessages}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 8; i++ {
+		resp := tb.do("POST", "/v1/messages", body, "X-Session-ID", fmt.Sprint("s", i))
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderAgent) != "b" || !strings.Contains(string(b), "from b") {
+			t.Fatalf("%d %s %s", resp.StatusCode, resp.Header.Get(HeaderAgent), b)
+		}
+	}
+	if e := apiError(t, tb.do("GET", "/v1/messages", "")); e.Code != "method_not_allowed" {
+		t.Fatalf("GET /v1/messages: %+v", e)
+	}
+}
+
+// FuzzScanResponseID: the id scanner never panics and returns only ids it
+// bounds, on any prefix of any body.
+func FuzzScanResponseID(f *testing.F) {
+	f.Add([]byte(`{"id":"resp_1","object":"response"}`), false)
+	f.Add([]byte("event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_2\"}}\n\n"), true)
+	f.Add([]byte(`{"object":"response","output":[{"id":"x"}],"id":"resp_3"}`), false)
+	f.Fuzz(func(t *testing.T, b []byte, sse bool) {
+		for _, n := range []int{len(b), len(b) / 2} {
+			if id, ok := scanResponseID(b[:n], sse); ok && !validResponseID(id) {
+				t.Fatalf("id %q", id)
+			}
+		}
+	})
+}
