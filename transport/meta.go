@@ -215,7 +215,7 @@ func DecodeMeta(b []byte) (NodeMeta, error) {
 		return m, fmt.Errorf("%w: %d", ErrMetaVersion, b[0])
 	}
 	flags := b[1]
-	d := metaDecoder{b: b[2:]}
+	d := wireDecoder{b: b[2:], bad: errMetaMalformed}
 	m.Role = NodeRole(flags & metaFlagRoleMask)
 	m.Draining = flags&metaFlagDraining != 0
 	m.Unavailable = flags&metaFlagUnavailable != 0
@@ -259,18 +259,25 @@ func DecodeMeta(b []byte) (NodeMeta, error) {
 	return m, nil
 }
 
-type metaDecoder struct {
+// errMetaMalformed prefixes every node metadata decoding error.
+var errMetaMalformed = errors.New("transport: node metadata")
+
+// wireDecoder reads the varint-framed fields shared by the node metadata and
+// prefix index encodings. The first failure sticks: later reads return zero
+// values and d.err keeps that first error, wrapped in bad.
+type wireDecoder struct {
 	b   []byte
 	err error
+	bad error
 }
 
-func (d *metaDecoder) fail(format string, args ...any) {
+func (d *wireDecoder) fail(format string, args ...any) {
 	if d.err == nil {
-		d.err = fmt.Errorf("transport: node metadata: "+format, args...)
+		d.err = fmt.Errorf("%w: "+format, append([]any{d.bad}, args...)...)
 	}
 }
 
-func (d *metaDecoder) uvarint(max uint64) uint64 {
+func (d *wireDecoder) uvarint(max uint64) uint64 {
 	if d.err != nil {
 		return 0
 	}
@@ -287,7 +294,7 @@ func (d *metaDecoder) uvarint(max uint64) uint64 {
 	return v
 }
 
-func (d *metaDecoder) bytes(n int) []byte {
+func (d *wireDecoder) bytes(n int) []byte {
 	if d.err != nil {
 		return nil
 	}
@@ -300,7 +307,7 @@ func (d *metaDecoder) bytes(n int) []byte {
 	return v
 }
 
-func (d *metaDecoder) str() string {
+func (d *wireDecoder) str() string {
 	n := d.uvarint(metaMaxString)
 	return strings.Clone(string(d.bytes(int(n))))
 }

@@ -189,7 +189,7 @@ func DecodePrefixMsg(body []byte, m *PrefixMsg) error {
 		return fmt.Errorf("%w: version %d", ErrPrefixMalformed, body[0])
 	}
 	m.Type = PrefixMsgType(body[1])
-	d := prefixDecoder{b: body[2:]}
+	d := wireDecoder{b: body[2:], bad: ErrPrefixMalformed}
 	switch m.Type {
 	case PrefixHello:
 		m.BlockTokens = int(d.uvarint(PrefixMaxConfig))
@@ -235,35 +235,7 @@ func DecodePrefixMsg(body []byte, m *PrefixMsg) error {
 	return nil
 }
 
-type prefixDecoder struct {
-	b   []byte
-	err error
-}
-
-func (d *prefixDecoder) fail(format string, args ...any) {
-	if d.err == nil {
-		d.err = fmt.Errorf("%w: "+format, append([]any{ErrPrefixMalformed}, args...)...)
-	}
-}
-
-func (d *prefixDecoder) uvarint(max uint64) uint64 {
-	if d.err != nil {
-		return 0
-	}
-	v, n := binary.Uvarint(d.b)
-	if n <= 0 {
-		d.fail("bad varint")
-		return 0
-	}
-	if v > max {
-		d.fail("value %d out of range", v)
-		return 0
-	}
-	d.b = d.b[n:]
-	return v
-}
-
-func (d *prefixDecoder) byte() byte {
+func (d *wireDecoder) byte() byte {
 	if d.err != nil {
 		return 0
 	}
@@ -276,7 +248,7 @@ func (d *prefixDecoder) byte() byte {
 	return c
 }
 
-func (d *prefixDecoder) hashes(dst []uint64, n uint64) []uint64 {
+func (d *wireDecoder) hashes(dst []uint64, n uint64) []uint64 {
 	if d.err != nil {
 		return dst
 	}
