@@ -688,21 +688,12 @@ func (a *Agent) discoverModels(ctx context.Context) ([]string, string, error) {
 func (a *Agent) scrapeMetrics(ctx context.Context) (EngineMetrics, error) {
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, a.upstream.JoinPath("/metrics").String(), nil)
+	body, err := a.engineGet(ctx, "/metrics")
 	if err != nil {
 		return EngineMetrics{}, err
 	}
-	a.authorize(req.Header)
-	resp, err := a.client.Do(req)
-	if err != nil {
-		return EngineMetrics{}, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
-		return EngineMetrics{}, fmt.Errorf("GET /metrics: status %d", resp.StatusCode)
-	}
-	return ParseEngineMetrics(io.LimitReader(resp.Body, 16<<20))
+	defer body.Close()
+	return ParseEngineMetrics(io.LimitReader(body, 16<<20))
 }
 
 func (a *Agent) authorize(h http.Header) {

@@ -231,7 +231,11 @@ func TestParseKVCapacity(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			got, ok := parseKVCapacity(strings.NewReader(tc.in))
+			m, err := ParseEngineMetrics(strings.NewReader(tc.in))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, ok := m.KVCapacityTokens, m.KVCapacityTokens > 0
 			if got != tc.want || ok != tc.ok {
 				t.Fatalf("got %d %v, want %d %v", got, ok, tc.want, tc.ok)
 			}
