@@ -226,20 +226,17 @@ func (w *packetWalk) walk(b []byte, depth int) {
 			return
 		}
 		w.verdict(b, w.gd.judge(w.from, w.trusted, claimAlive, a.Node, a.Node, a.Incarnation))
-	case mlSuspectMsg:
-		var s mlSuspect
+	case mlSuspectMsg, mlDeadMsg:
+		var s mlSuspect // a dead message has the same fields
 		if mlDecode(b[1:], &s) != nil {
 			w.dropped = true
 			return
 		}
-		w.verdict(b, w.gd.judge(w.from, w.trusted, claimSuspect, s.Node, s.From, s.Incarnation))
-	case mlDeadMsg:
-		var d mlDead
-		if mlDecode(b[1:], &d) != nil {
-			w.dropped = true
-			return
+		kind := claimSuspect
+		if b[0] == mlDeadMsg {
+			kind = claimDead
 		}
-		w.verdict(b, w.gd.judge(w.from, w.trusted, claimDead, d.Node, d.From, d.Incarnation))
+		w.verdict(b, w.gd.judge(w.from, w.trusted, kind, s.Node, s.From, s.Incarnation))
 	default:
 		// Probes, acks, nacks, user messages: nothing about membership.
 		w.keep = append(w.keep, b)
