@@ -354,17 +354,4 @@ func (o *responsesWriter) end(_ string, u Usage) error {
 	return o.flush()
 }
 
-func (o *responsesWriter) flush() error {
-	if len(o.buf) == 0 {
-		return nil
-	}
-	_, err := o.w.Write(o.buf)
-	o.buf = o.buf[:0]
-	if err != nil {
-		return fmt.Errorf("write stream: %w", err)
-	}
-	if err := http.NewResponseController(o.w).Flush(); err != nil {
-		return fmt.Errorf("flush stream: %w", err)
-	}
-	return nil
-}
+func (o *responsesWriter) flush() error { return flushStream(o.w, &o.buf) }

@@ -817,16 +817,20 @@ func (o *responder) event(c *completion) {
 	o.buf = append(o.buf, "\n\n"...)
 }
 
-func (o *responder) flush() error {
-	if len(o.buf) == 0 {
+func (o *responder) flush() error { return flushStream(o.w, &o.buf) }
+
+// flushStream writes the buffered server-sent events to w, empties the
+// buffer and flushes w so the client sees them now.
+func flushStream(w http.ResponseWriter, buf *[]byte) error {
+	if len(*buf) == 0 {
 		return nil
 	}
-	_, err := o.w.Write(o.buf)
-	o.buf = o.buf[:0]
+	_, err := w.Write(*buf)
+	*buf = (*buf)[:0]
 	if err != nil {
 		return fmt.Errorf("write stream: %w", err)
 	}
-	if err := http.NewResponseController(o.w).Flush(); err != nil {
+	if err := http.NewResponseController(w).Flush(); err != nil {
 		return fmt.Errorf("flush stream: %w", err)
 	}
 	return nil
