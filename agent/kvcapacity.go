@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -24,22 +23,16 @@ func (a *Agent) engineKVCapacity(ctx context.Context) (int, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
 	defer cancel()
-	body, err := a.engineGet(ctx, "/props")
-	if err != nil {
+	p := &engineProber{client: a.client, base: a.upstream, authorize: a.authorize}
+	b, ok := p.get(ctx, "/props")
+	if !ok {
 		return 0, errNoKVCapacity
 	}
-	defer body.Close()
-	var props struct {
-		TotalSlots int `json:"total_slots"`
-		Settings   struct {
-			NCtx int `json:"n_ctx"`
-		} `json:"default_generation_settings"`
-	}
-	if err := json.NewDecoder(io.LimitReader(body, 1<<20)).Decode(&props); err != nil ||
-		props.TotalSlots <= 0 || props.Settings.NCtx <= 0 {
+	pr, ok := ParseLlamaCppProps(b)
+	if !ok || pr.TotalSlots <= 0 || pr.NCtx <= 0 {
 		return 0, errNoKVCapacity
 	}
-	return clampInt(float64(props.TotalSlots) * float64(props.Settings.NCtx)), nil
+	return clampInt(float64(pr.TotalSlots) * float64(pr.NCtx)), nil
 }
 
 // engineGet GETs path from the engine; the body is the caller's to close.
