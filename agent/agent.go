@@ -579,10 +579,11 @@ func (a *Agent) refresh(ctx context.Context) {
 	identify := err == nil && !a.identified
 	a.mu.Unlock()
 	var eng EngineInfo
+	var idLoad EngineMetrics
 	if identify {
 		ictx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
 		p := &engineProber{client: a.client, base: a.upstream, authorize: a.authorize}
-		eng = p.identify(ictx, ownedBy)
+		eng, idLoad = p.identify(ictx, ownedBy)
 		cancel()
 		if eng.Kind == EngineUnknown {
 			a.log.Warn().Str("upstream", a.upstream.Redacted()).
@@ -595,7 +596,11 @@ func (a *Agent) refresh(ctx context.Context) {
 	}
 	var met EngineMetrics
 	var metErr error
-	if err == nil {
+	switch {
+	case err != nil:
+	case identify && idLoad.Engine != "" && eng.Kind != EngineOllama:
+		met = idLoad // identification just read /metrics; scrapeLoad would read it again
+	default:
 		met, metErr = a.scrapeLoad(ctx, eng, identify)
 	}
 	a.mu.Lock()

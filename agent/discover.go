@@ -112,7 +112,7 @@ func probePort(ctx context.Context, client *http.Client, port int) *FoundEngine 
 		f.Models = append(f.Models, d.ID)
 	}
 	p := &engineProber{client: client, base: base, authorize: func(http.Header) {}}
-	f.Engine = p.identify(ctx, ownedBy)
+	f.Engine, _ = p.identify(ctx, ownedBy)
 	return f
 }
 

@@ -99,12 +99,16 @@ func (p *engineProber) do(ctx context.Context, method, path string, body []byte)
 
 // identify recognises the engine from its own endpoints: the metric family
 // of /metrics first, then each engine's identity endpoint; ownedBy is the
-// owned_by of its /v1/models entries.
-func (p *engineProber) identify(ctx context.Context, ownedBy string) EngineInfo {
-	var info EngineInfo
+// owned_by of its /v1/models entries. load is that /metrics read as load
+// figures (load.Engine empty when it had none, or was cut at maxProbeBody):
+// the first load scrape after identification uses it instead of a second GET.
+func (p *engineProber) identify(ctx context.Context, ownedBy string) (info EngineInfo, load EngineMetrics) {
 	var met EngineMetrics
 	if b, ok := p.get(ctx, "/metrics"); ok {
 		met, _ = ParseEngineMetrics(bytes.NewReader(b))
+		if len(b) < maxProbeBody {
+			load = met
+		}
 	}
 	switch {
 	case ownedBy == "computeflux" && met.Engine == "vllm":
@@ -201,7 +205,7 @@ func (p *engineProber) identify(ctx context.Context, ownedBy string) EngineInfo 
 		// gets no probe that it might take for a request.
 		info.APIs = p.apis(ctx)
 	}
-	return info
+	return info, load
 }
 
 // apis finds which optional APIs a recognised engine serves: from its
