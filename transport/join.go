@@ -209,8 +209,8 @@ func (js *JoinServer) handle(s network.Stream) {
 	}()
 
 	p := s.Conn().RemotePeer()
-	ip, hasIP := remoteIP(s.Conn().RemoteMultiaddr())
-	if ok, wait := js.lim.allow(p, ip, hasIP, time.Now()); !ok {
+	ip := remoteIP(s.Conn().RemoteMultiaddr())
+	if ok, wait := js.lim.allow(p, ip, time.Now()); !ok {
 		js.refused.Add(1)
 		_ = s.SetDeadline(time.Now().Add(handshakeTimeout))
 		_ = writeFrame(s, msgReject, []byte(backoffReason(wait)))
@@ -220,7 +220,7 @@ func (js *JoinServer) handle(s network.Stream) {
 	info, reject, err := js.handshake(s, p)
 	if err != nil {
 		js.failed.Add(1)
-		js.lim.failed(p, ip, hasIP, time.Now())
+		js.lim.failed(p, ip, time.Now())
 		if reject == "" {
 			_ = s.Reset()
 			return
@@ -260,7 +260,7 @@ func (js *JoinServer) handle(s network.Stream) {
 
 	if err := js.jh.Joined(p, info); err != nil {
 		js.failed.Add(1)
-		js.lim.failed(p, ip, hasIP, time.Now())
+		js.lim.failed(p, ip, time.Now())
 		reason := err.Error()
 		if len(reason) > maxReasonLen {
 			reason = reason[:maxReasonLen]
@@ -270,7 +270,7 @@ func (js *JoinServer) handle(s network.Stream) {
 		_ = s.Close()
 		return
 	}
-	js.lim.succeeded(p, ip, hasIP)
+	js.lim.succeeded(p, ip)
 	js.h.ConnManager().Protect(p, protectTag)
 	defer js.h.ConnManager().Unprotect(p, protectTag)
 	defer js.jh.Left(p)

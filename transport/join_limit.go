@@ -52,29 +52,30 @@ func newJoinLimiter() *joinLimiter {
 	}
 }
 
-// remoteIP returns the IP address of a multiaddr, if it has one.
-func remoteIP(a ma.Multiaddr) (netip.Addr, bool) {
+// remoteIP returns the IP address of a multiaddr; the zero (invalid) Addr
+// when it has none, which the limiter then tracks by peer only.
+func remoteIP(a ma.Multiaddr) netip.Addr {
 	if a == nil {
-		return netip.Addr{}, false
+		return netip.Addr{}
 	}
 	ip, err := manet.ToIP(a)
 	if err != nil {
-		return netip.Addr{}, false
+		return netip.Addr{}
 	}
-	addr, ok := netip.AddrFromSlice(ip)
-	return addr.Unmap(), ok
+	addr, _ := netip.AddrFromSlice(ip)
+	return addr.Unmap()
 }
 
 // allow reports whether a handshake from p at ip may run now; when not, it
 // returns how long until it may.
-func (l *joinLimiter) allow(p peer.ID, ip netip.Addr, hasIP bool, now time.Time) (bool, time.Duration) {
+func (l *joinLimiter) allow(p peer.ID, ip netip.Addr, now time.Time) (bool, time.Duration) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	var wait time.Duration
 	if f := l.peers[p]; f != nil && now.Before(f.until) {
 		wait = f.until.Sub(now)
 	}
-	if hasIP {
+	if ip.IsValid() {
 		if f := l.addrs[ip]; f != nil && now.Before(f.until) {
 			wait = max(wait, f.until.Sub(now))
 		}
@@ -83,7 +84,7 @@ func (l *joinLimiter) allow(p peer.ID, ip netip.Addr, hasIP bool, now time.Time)
 }
 
 // failed records a failed handshake of p at ip.
-func (l *joinLimiter) failed(p peer.ID, ip netip.Addr, hasIP bool, now time.Time) {
+func (l *joinLimiter) failed(p peer.ID, ip netip.Addr, now time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	pf := l.peers[p]
@@ -96,7 +97,7 @@ func (l *joinLimiter) failed(p peer.ID, ip netip.Addr, hasIP bool, now time.Time
 	// peer in back-off is paced by its own back-off already.
 	countAddr := pf.n < joinFreeFailures
 	pf.fail(joinFreeFailures, now)
-	if hasIP && countAddr {
+	if ip.IsValid() && countAddr {
 		af := l.addrs[ip]
 		if af == nil {
 			sweep(l.addrs, now)
@@ -108,11 +109,11 @@ func (l *joinLimiter) failed(p peer.ID, ip netip.Addr, hasIP bool, now time.Time
 }
 
 // succeeded clears the history of p and of its address.
-func (l *joinLimiter) succeeded(p peer.ID, ip netip.Addr, hasIP bool) {
+func (l *joinLimiter) succeeded(p peer.ID, ip netip.Addr) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	delete(l.peers, p)
-	if hasIP {
+	if ip.IsValid() {
 		delete(l.addrs, ip)
 	}
 }

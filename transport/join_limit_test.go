@@ -76,52 +76,52 @@ func TestJoinLimiter(t *testing.T) {
 	ip := netip.MustParseAddr("198.18.0.7")
 	p := peer.ID("p")
 	for i := range joinFreeFailures {
-		if ok, _ := l.allow(p, ip, true, now); !ok {
+		if ok, _ := l.allow(p, ip, now); !ok {
 			t.Fatalf("failure %d refused within the free ones", i)
 		}
-		l.failed(p, ip, true, now)
+		l.failed(p, ip, now)
 	}
-	if ok, _ := l.allow(p, ip, true, now); !ok {
+	if ok, _ := l.allow(p, ip, now); !ok {
 		t.Fatal("refused after exactly the free failures")
 	}
-	l.failed(p, ip, true, now)
-	ok, wait := l.allow(p, ip, true, now)
+	l.failed(p, ip, now)
+	ok, wait := l.allow(p, ip, now)
 	if ok || wait != joinBackoffBase {
 		t.Fatalf("after one failure beyond the free ones: ok %v wait %v", ok, wait)
 	}
-	if ok, _ := l.allow(p, ip, true, now.Add(joinBackoffBase)); !ok {
+	if ok, _ := l.allow(p, ip, now.Add(joinBackoffBase)); !ok {
 		t.Fatal("still refused after the back-off")
 	}
 	for range 10 {
 		now = now.Add(time.Minute)
-		l.failed(p, ip, true, now)
+		l.failed(p, ip, now)
 	}
-	if _, wait := l.allow(p, ip, true, now); wait != joinBackoffMax {
+	if _, wait := l.allow(p, ip, now); wait != joinBackoffMax {
 		t.Errorf("back-off %v, want the cap %v", wait, joinBackoffMax)
 	}
 	// The address: one peer counts its free failures only; fresh peer IDs
 	// from one address are refused after joinAddrFreeFailures.
 	other := peer.ID("q")
-	if ok, _ := l.allow(other, ip, true, now); !ok {
+	if ok, _ := l.allow(other, ip, now); !ok {
 		t.Fatal("another peer from the address is refused after one peer's failures")
 	}
 	for i := range joinAddrFreeFailures {
-		l.failed(peer.ID(rune('a'+i)), ip, true, now)
+		l.failed(peer.ID(rune('a'+i)), ip, now)
 	}
-	if ok, _ := l.allow(other, ip, true, now); ok {
+	if ok, _ := l.allow(other, ip, now); ok {
 		t.Error("a fresh peer from an address with many failing peers is not refused")
 	}
-	if ok, _ := l.allow(other, netip.MustParseAddr("198.18.0.8"), true, now); !ok {
+	if ok, _ := l.allow(other, netip.MustParseAddr("198.18.0.8"), now); !ok {
 		t.Error("a peer from another address is refused")
 	}
-	l.succeeded(other, ip, true)
-	if ok, _ := l.allow(other, ip, true, now); !ok {
+	l.succeeded(other, ip)
+	if ok, _ := l.allow(other, ip, now); !ok {
 		t.Error("refused after a success from the address")
 	}
 	// Stale history is forgotten.
 	later := now.Add(joinForgetAfter + time.Second)
-	l.failed(p, ip, true, later)
-	if ok, _ := l.allow(p, ip, true, later); !ok {
+	l.failed(p, ip, later)
+	if ok, _ := l.allow(p, ip, later); !ok {
 		t.Error("a failure after a long quiet counts beyond the free ones")
 	}
 }
