@@ -74,7 +74,7 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	blocks := r.promptBlocks(body) // prefix.go
 	defer releaseBlocks(blocks)
 	sr := scheduler.Request{Model: rt.model, SessionKey: session, Prefix: *blocks}
-	if w, err = r.routeAPI(w, req, body, rt.model, &sr); err != nil { // responses.go
+	if w, err = r.routeAPI(w, req, rt, &sr); err != nil { // responses.go
 		return err
 	}
 	att := r.sched.Begin(sr)

@@ -161,16 +161,11 @@ func errAPINotServed(path string) *Error {
 		Message: "No agent's engine serves " + path + " right now"}
 }
 
-// responsesFields are the body fields that route a Responses request.
-type responsesFields struct {
-	PreviousResponseID json.RawMessage `json:"previous_response_id"`
-	Store              json.RawMessage `json:"store"`
-}
-
 // routeAPI completes sr for the paths served only by some engines and
 // returns the writer the attempt writes through. For chat, completions and
-// embeddings it changes nothing.
-func (r *Relay) routeAPI(w http.ResponseWriter, req *http.Request, body []byte, model string, sr *scheduler.Request) (http.ResponseWriter, error) {
+// embeddings it changes nothing. The Responses fields come from the same
+// pass over the body as the other routing fields (parseRouting).
+func (r *Relay) routeAPI(w http.ResponseWriter, req *http.Request, rt routing, sr *scheduler.Request) (http.ResponseWriter, error) {
 	path := req.URL.Path
 	if path != pathResponses && path != pathMessages {
 		return w, nil
@@ -183,14 +178,10 @@ func (r *Relay) routeAPI(w http.ResponseWriter, req *http.Request, body []byte, 
 		sr.Allow = func(id string) bool { return serving[id] }
 		return w, nil
 	}
-	var f responsesFields
-	if err := json.Unmarshal(body, &f); err != nil {
-		return nil, errBadRequest("invalid_json", "The request body is not valid JSON", err)
-	}
-	store := string(f.Store) != "false"
-	if len(f.PreviousResponseID) > 0 && string(f.PreviousResponseID) != "null" {
+	store := string(rt.store) != "false"
+	if len(rt.previousResponseID) > 0 && string(rt.previousResponseID) != "null" {
 		var prev string
-		if err := json.Unmarshal(f.PreviousResponseID, &prev); err != nil {
+		if err := json.Unmarshal(rt.previousResponseID, &prev); err != nil {
 			return nil, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "invalid_type",
 				Param: "previous_response_id", Message: "'previous_response_id' must be a string"}
 		}
@@ -208,7 +199,7 @@ func (r *Relay) routeAPI(w http.ResponseWriter, req *http.Request, body []byte, 
 	if !store {
 		return w, nil
 	}
-	return &responseIDWriter{ResponseWriter: w, r: r, model: model}, nil
+	return &responseIDWriter{ResponseWriter: w, r: r, model: rt.model}, nil
 }
 
 // locateResponse returns where response id lives, or OpenAI's 404 when the
