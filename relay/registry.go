@@ -113,12 +113,7 @@ func newRegistry(s *scheduler.Scheduler, log zerolog.Logger) *Registry {
 // joining, or a peer without the token could hold a reservation and open
 // circuits for the grace of every connection it makes. It never blocks on
 // I/O; the NAT options call it for every reservation and circuit (both ends).
-func (g *Registry) Admitted(p peer.ID) bool {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	_, ok := g.byPeer[p]
-	return ok
-}
+func (g *Registry) Admitted(p peer.ID) bool { return g.IsJoined(p) }
 
 // IsJoined reports whether peer p holds a registration (gossip's Admit).
 func (g *Registry) IsJoined(p peer.ID) bool {

@@ -131,17 +131,6 @@ func (g *Registry) agentsServing(path string) map[string]bool {
 	return set
 }
 
-// agentPeer returns the peer that agent name is joined as.
-func (g *Registry) agentPeer(name string) (peer.ID, bool) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	e, ok := g.byName[name]
-	if !ok {
-		return "", false
-	}
-	return e.peer, true
-}
-
 // errResponseNotFound is OpenAI's answer for a response id it does not hold.
 func errResponseNotFound(id, param string) *Error {
 	msg := "Response with id '" + id + "' not found."
@@ -209,7 +198,7 @@ func (r *Relay) locateResponse(id, param string) (respEntry, error) {
 	if !ok {
 		return respEntry{}, errResponseNotFound(id, param)
 	}
-	if p, ok := r.reg.agentPeer(e.agent); !ok || p != e.peer {
+	if p, ok := r.reg.Peer(e.agent); !ok || p != e.peer {
 		// The engine that stored it is out of reach (or another process
 		// now holds the name): no other engine has this context.
 		r.responses.drop(id)
@@ -260,7 +249,7 @@ func (w *responseIDWriter) Write(p []byte) (int, error) {
 		w.buf = append(w.buf, p[:min(len(p), maxScanBytes-len(w.buf))]...)
 		if id, ok := scanResponseID(w.buf, w.sse); ok {
 			w.done = true
-			if pid, ok := w.r.reg.agentPeer(w.agent); ok {
+			if pid, ok := w.r.reg.Peer(w.agent); ok {
 				w.r.responses.put(id, w.agent, pid, w.model, w.r.cfg.Clock.Now())
 			}
 		} else if len(w.buf) >= maxScanBytes {
