@@ -171,12 +171,12 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	ctx, cancel := context.WithCancelCause(req.Context())
 	defer cancel(nil)
 	upCtx, acked := ctx, func() {}
-	if upPeer, ok := r.reg.Peer(c.EndpointID); ok && r.live != nil && tgt.rt == r.rt {
+	if tgt.peer != "" && r.live != nil {
 		// An agent (not a provider): see liveness.go. It must acknowledge
 		// the request within a few round trips, and answer probes while
 		// the request is in flight.
-		defer r.live.track(upPeer, c.EndpointID, cancel)()
-		upCtx, acked = r.live.watchAck(ctx, cancel, upPeer, c.EndpointID)
+		defer r.live.track(tgt.peer, c.EndpointID, cancel)()
+		upCtx, acked = r.live.watchAck(ctx, cancel, tgt.peer, c.EndpointID)
 	}
 	up, err := http.NewRequestWithContext(upCtx, http.MethodPost, tgt.url, bytes.NewReader(body))
 	if err != nil {

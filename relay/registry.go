@@ -324,16 +324,16 @@ func (g *Registry) Peer(name string) (peer.ID, bool) {
 	return e.peer, true
 }
 
-// upstreamHost returns the URL host that reaches agent name: its peer ID
-// in text form.
-func (g *Registry) upstreamHost(name string) (string, bool) {
+// upstream returns the URL host that reaches agent name (its peer ID in
+// text form) and the peer itself.
+func (g *Registry) upstream(name string) (string, peer.ID, bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	e, ok := g.byName[name]
 	if !ok {
-		return "", false
+		return "", "", false
 	}
-	return e.host, true
+	return e.host, e.peer, true
 }
 
 // Name returns the agent name peer p joined as.

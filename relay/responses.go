@@ -363,7 +363,7 @@ func (r *Relay) forwardStored(w http.ResponseWriter, req *http.Request, id strin
 		return err
 	}
 	rl.agent, rl.model = e.agent, e.model
-	upHost, ok := r.reg.upstreamHost(e.agent)
+	upHost, _, ok := r.reg.upstream(e.agent)
 	if !ok {
 		return errResponseNotFound(id, "")
 	}
