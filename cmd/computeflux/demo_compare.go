@@ -186,7 +186,6 @@ func demoRequest(ctx context.Context, client *http.Client, c *relaytest.Cluster,
 	}
 	req.Header.Set("Authorization", "Bearer "+c.APIKey())
 	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-Session-ID", session)
 	start := time.Now()
 	resp, err := client.Do(req)
 	if err != nil {
