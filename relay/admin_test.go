@@ -203,7 +203,9 @@ func TestAdminDisableNextPick(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for i := 0; i < 300; i++ {
+			// Until stop, not a fixed count: a fast relay would finish a
+			// fixed count before the call and leave nothing after it.
+			for i := 0; ; i++ {
 				select {
 				case <-stop:
 					return

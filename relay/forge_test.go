@@ -314,6 +314,7 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 	} {
 		t.Run(f.name+" at 2^32-1 cuts the attacker off", func(t *testing.T) {
 			ml := newMallory(t, gr)
+			forgeries := metric(t, gr, "computeflux_gossip_forgeries_total")
 			stop := make(chan struct{})
 			ok, total, healthy, loadDone := attackLoad(gr, v.a.ID(), stop)
 			start := time.Now()
@@ -326,13 +327,19 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 				time.Sleep(500 * time.Millisecond)
 			}
 			cut := gPoll(t, 10*time.Second, "the attacker's registration to end", func() bool { return !gr.r.Registry().IsJoined(ml.h.ID()) })
+			if sent == 0 {
+				t.Fatalf("no forged packet was sent (%v): the cut-off proves nothing", sendErr)
+			}
+			if got := metric(t, gr, "computeflux_gossip_forgeries_total"); got <= forgeries {
+				t.Errorf("forgeries counted %v, %v before the attack: the registration ended, but not for forgery", got, forgeries)
+			}
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
 			_ = ml.h.Connect(ctx, ri)
 			_, err := transport.Join(ctx, ml.h, ri.ID, []byte(gToken), transport.JoinInfo{Name: "mallory-again"})
 			var rej *transport.RejectedError
-			if !errors.As(err, &rej) {
-				t.Errorf("the cut-off attacker joined again: %v", err)
+			if !errors.As(err, &rej) || !strings.Contains(rej.Reason, relay.ErrBanned.Error()) {
+				t.Errorf("the cut-off attacker's join again: %v, want refused with %q", err, relay.ErrBanned)
 			}
 			back := gPoll(t, 30*time.Second, "the victim healthy", func() bool { return victimHealthy(gr, v.a.ID()) })
 			time.Sleep(time.Second)

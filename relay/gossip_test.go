@@ -106,8 +106,16 @@ type gAgent struct {
 
 func startGAgent(t testing.TB, gr *itRelay, name string, e *gEngine, identity string, tune func(*memberlist.Config), preset string) *gAgent {
 	t.Helper()
-	a, err := agent.New(agent.Config{
-		Relay:           gr.r.Addrs()[0].String(),
+	cfg := gAgentConfig(t, name, e, identity)
+	cfg.Relay = gr.r.Addrs()[0].String()
+	cfg.Gossip.Preset, cfg.Gossip.Tune = preset, tune
+	return runGAgent(t, cfg, e)
+}
+
+// gAgentConfig is the agent configuration of the gossip tests (fast
+// backoff, drain and gossip timings) for an agent of e, relays not set.
+func gAgentConfig(t testing.TB, name string, e *gEngine, identity string) agent.Config {
+	return agent.Config{
 		Token:           gToken,
 		Upstream:        e.srv.URL,
 		Name:            name,
@@ -118,13 +126,19 @@ func startGAgent(t testing.TB, gr *itRelay, name string, e *gEngine, identity st
 		MaxBackoff:      500 * time.Millisecond,
 		DrainTimeout:    2 * time.Second,
 		RefreshInterval: time.Second,
-		Gossip:          agent.GossipConfig{Preset: preset, Tune: tune, MetricsInterval: 100 * time.Millisecond, LeaveTimeout: time.Second},
-	})
+		Gossip:          agent.GossipConfig{Tune: gFastTune, MetricsInterval: 100 * time.Millisecond, LeaveTimeout: time.Second},
+	}
+}
+
+// runGAgent runs an agent of e on cfg until the test ends.
+func runGAgent(t testing.TB, cfg agent.Config, e *gEngine) *gAgent {
+	t.Helper()
+	a, err := agent.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	ga := &gAgent{name: name, e: e, identity: identity, a: a, cancel: cancel, done: make(chan error, 1)}
+	ga := &gAgent{name: cfg.Name, e: e, identity: cfg.IdentityFile, a: a, cancel: cancel, done: make(chan error, 1)}
 	go func() { ga.done <- a.Run(ctx) }()
 	t.Cleanup(ga.stop)
 	return ga

@@ -1,7 +1,6 @@
 package relay_test
 
 import (
-	"context"
 	"fmt"
 	"io"
 	"net"
@@ -16,7 +15,6 @@ import (
 
 	"github.com/libp2p/go-libp2p/core/peer"
 
-	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay"
 )
 
@@ -53,28 +51,9 @@ func startPeerRelay(t testing.TB, listen, identity, who string) *itRelay {
 // startMultiAgent starts an agent joined to every relay in addrs.
 func startMultiAgent(t testing.TB, addrs []string, name string, e *gEngine, identity string) *gAgent {
 	t.Helper()
-	a, err := agent.New(agent.Config{
-		Relays:          addrs,
-		Token:           gToken,
-		Upstream:        e.srv.URL,
-		Name:            name,
-		IdentityFile:    identity,
-		ListenAddrs:     []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
-		Logger:          gTestLogger(t, name),
-		MinBackoff:      20 * time.Millisecond,
-		MaxBackoff:      500 * time.Millisecond,
-		DrainTimeout:    2 * time.Second,
-		RefreshInterval: time.Second,
-		Gossip:          agent.GossipConfig{Tune: gFastTune, MetricsInterval: 100 * time.Millisecond, LeaveTimeout: time.Second},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	ga := &gAgent{name: name, e: e, identity: identity, a: a, cancel: cancel, done: make(chan error, 1)}
-	go func() { ga.done <- a.Run(ctx) }()
-	t.Cleanup(ga.stop)
-	return ga
+	cfg := gAgentConfig(t, name, e, identity)
+	cfg.Relays = addrs
+	return runGAgent(t, cfg, e)
 }
 
 type multiCluster struct {

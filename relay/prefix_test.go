@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/rs/zerolog"
 
@@ -362,22 +363,9 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			h := newHost(t)
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			if err := h.Connect(ctx, rl.info()); err != nil {
-				t.Fatal(err)
-			}
-			m, err := transport.Join(ctx, h, rl.info().ID, []byte(itToken), transport.JoinInfo{Name: fmt.Sprintf("bad%d", i), Models: []string{"m1"}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer m.Close()
-			s, err := h.NewStream(ctx, rl.info().ID, transport.PrefixProtocol)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer s.Reset()
+			h, s := joinedPrefixStream(ctx, t, rl, fmt.Sprintf("bad%d", i))
 			hello := transport.PrefixMsg{Type: transport.PrefixHello}
 			var out []byte
 			if tc.frames == nil {
@@ -425,22 +413,9 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 	}
 
 	t.Run("other hashing config", func(t *testing.T) {
-		h := newHost(t)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		if err := h.Connect(ctx, rl.info()); err != nil {
-			t.Fatal(err)
-		}
-		m, err := transport.Join(ctx, h, rl.info().ID, []byte(itToken), transport.JoinInfo{Name: "other", Models: []string{"m1"}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer m.Close()
-		s, err := h.NewStream(ctx, rl.info().ID, transport.PrefixProtocol)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer s.Reset()
+		_, s := joinedPrefixStream(ctx, t, rl, "other")
 		if _, err := s.Write(frames(t, transport.PrefixMsg{Type: transport.PrefixHello, BlockTokens: 16})); err != nil {
 			t.Fatal(err)
 		}
@@ -489,6 +464,28 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 	if got := good.a.IndexStats().Snapshots; got < 2 {
 		t.Fatalf("%d snapshots sent, want the first and one after the resync", got)
 	}
+}
+
+// joinedPrefixStream joins a new host to rl as name serving m1 and opens
+// a prefix stream from it; the registration and the stream last until the
+// test ends.
+func joinedPrefixStream(ctx context.Context, t testing.TB, rl *itRelay, name string) (host.Host, network.Stream) {
+	t.Helper()
+	h := newHost(t)
+	if err := h.Connect(ctx, rl.info()); err != nil {
+		t.Fatal(err)
+	}
+	m, err := transport.Join(ctx, h, rl.info().ID, []byte(itToken), transport.JoinInfo{Name: name, Models: []string{"m1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = m.Close() })
+	s, err := h.NewStream(ctx, rl.info().ID, transport.PrefixProtocol)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Reset() })
+	return h, s
 }
 
 func frames(t testing.TB, ms ...transport.PrefixMsg) []byte {

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/libp2p/go-libp2p/core/peer"
 )
 
 // Provider endpoints: OpenAI-compatible APIs (a hosted vLLM, OpenAI,
@@ -359,12 +360,14 @@ func parseModelList(b []byte) ([]string, error) {
 }
 
 // target is where one attempt goes: the URL, the round tripper, and the
-// provider key to present ("" for agents).
+// provider key to present ("" for agents), or the agent's peer ("" for
+// providers).
 type target struct {
 	url    string
 	rt     http.RoundTripper
 	key    string
 	keyNum int // the key's position in the provider's list, from 1; 0 for agents
+	peer   peer.ID
 }
 
 // authorize sets the provider key on an upstream request.
@@ -383,8 +386,8 @@ func (r *Relay) target(c scheduler.Choice, path string) (target, bool) {
 		}
 		return t, true
 	}
-	host, ok := r.reg.upstreamHost(c.EndpointID)
-	return target{url: "http://" + host + path, rt: r.rt}, ok
+	host, p, ok := r.reg.upstream(c.EndpointID)
+	return target{url: "http://" + host + path, rt: r.rt, peer: p}, ok
 }
 
 // logAttempt writes the one line for a failed attempt: the endpoint, the

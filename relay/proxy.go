@@ -74,7 +74,7 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	blocks := r.promptBlocks(body) // prefix.go
 	defer releaseBlocks(blocks)
 	sr := scheduler.Request{Model: rt.model, SessionKey: session, Prefix: *blocks}
-	if w, err = r.routeAPI(w, req, body, rt.model, &sr); err != nil { // responses.go
+	if w, err = r.routeAPI(w, req, rt, &sr); err != nil { // responses.go
 		return err
 	}
 	att := r.sched.Begin(sr)
@@ -171,12 +171,12 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	ctx, cancel := context.WithCancelCause(req.Context())
 	defer cancel(nil)
 	upCtx, acked := ctx, func() {}
-	if upPeer, ok := r.reg.Peer(c.EndpointID); ok && r.live != nil && tgt.rt == r.rt {
+	if tgt.peer != "" && r.live != nil {
 		// An agent (not a provider): see liveness.go. It must acknowledge
 		// the request within a few round trips, and answer probes while
 		// the request is in flight.
-		defer r.live.track(upPeer, c.EndpointID, cancel)()
-		upCtx, acked = r.live.watchAck(ctx, cancel, upPeer, c.EndpointID)
+		defer r.live.track(tgt.peer, c.EndpointID, cancel)()
+		upCtx, acked = r.live.watchAck(ctx, cancel, tgt.peer, c.EndpointID)
 	}
 	up, err := http.NewRequestWithContext(upCtx, http.MethodPost, tgt.url, bytes.NewReader(body))
 	if err != nil {

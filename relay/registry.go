@@ -113,12 +113,7 @@ func newRegistry(s *scheduler.Scheduler, log zerolog.Logger) *Registry {
 // joining, or a peer without the token could hold a reservation and open
 // circuits for the grace of every connection it makes. It never blocks on
 // I/O; the NAT options call it for every reservation and circuit (both ends).
-func (g *Registry) Admitted(p peer.ID) bool {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	_, ok := g.byPeer[p]
-	return ok
-}
+func (g *Registry) Admitted(p peer.ID) bool { return g.IsJoined(p) }
 
 // IsJoined reports whether peer p holds a registration (gossip's Admit).
 func (g *Registry) IsJoined(p peer.ID) bool {
@@ -329,16 +324,16 @@ func (g *Registry) Peer(name string) (peer.ID, bool) {
 	return e.peer, true
 }
 
-// upstreamHost returns the URL host that reaches agent name: its peer ID
-// in text form.
-func (g *Registry) upstreamHost(name string) (string, bool) {
+// upstream returns the URL host that reaches agent name (its peer ID in
+// text form) and the peer itself.
+func (g *Registry) upstream(name string) (string, peer.ID, bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	e, ok := g.byName[name]
 	if !ok {
-		return "", false
+		return "", "", false
 	}
-	return e.host, true
+	return e.host, e.peer, true
 }
 
 // Name returns the agent name peer p joined as.

@@ -13,6 +13,9 @@ type routing struct {
 	model   string
 	stream  bool
 	session string // prompt_cache_key, when it is a non-empty string
+
+	// The raw Responses routing fields (responses.go), aliasing the body.
+	previousResponseID, store json.RawMessage
 }
 
 // routingFields decodes the routing fields lazily: RawMessage keeps the
@@ -22,6 +25,9 @@ type routingFields struct {
 	Stream         json.RawMessage `json:"stream"`
 	PromptCacheKey json.RawMessage `json:"prompt_cache_key"`
 	Messages       json.RawMessage `json:"messages"`
+
+	PreviousResponseID json.RawMessage `json:"previous_response_id"`
+	Store              json.RawMessage `json:"store"`
 }
 
 // parseRouting reads the routing fields of an OpenAI request body. It fails
@@ -63,6 +69,7 @@ func parseRouting(body []byte) (routing, error) {
 		// to reject it.
 		_ = json.Unmarshal(f.PromptCacheKey, &rt.session)
 	}
+	rt.previousResponseID, rt.store = f.PreviousResponseID, f.Store
 	return rt, nil
 }
 

@@ -131,17 +131,6 @@ func (g *Registry) agentsServing(path string) map[string]bool {
 	return set
 }
 
-// agentPeer returns the peer that agent name is joined as.
-func (g *Registry) agentPeer(name string) (peer.ID, bool) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	e, ok := g.byName[name]
-	if !ok {
-		return "", false
-	}
-	return e.peer, true
-}
-
 // errResponseNotFound is OpenAI's answer for a response id it does not hold.
 func errResponseNotFound(id, param string) *Error {
 	msg := "Response with id '" + id + "' not found."
@@ -161,16 +150,11 @@ func errAPINotServed(path string) *Error {
 		Message: "No agent's engine serves " + path + " right now"}
 }
 
-// responsesFields are the body fields that route a Responses request.
-type responsesFields struct {
-	PreviousResponseID json.RawMessage `json:"previous_response_id"`
-	Store              json.RawMessage `json:"store"`
-}
-
 // routeAPI completes sr for the paths served only by some engines and
 // returns the writer the attempt writes through. For chat, completions and
-// embeddings it changes nothing.
-func (r *Relay) routeAPI(w http.ResponseWriter, req *http.Request, body []byte, model string, sr *scheduler.Request) (http.ResponseWriter, error) {
+// embeddings it changes nothing. The Responses fields come from the same
+// pass over the body as the other routing fields (parseRouting).
+func (r *Relay) routeAPI(w http.ResponseWriter, req *http.Request, rt routing, sr *scheduler.Request) (http.ResponseWriter, error) {
 	path := req.URL.Path
 	if path != pathResponses && path != pathMessages {
 		return w, nil
@@ -183,14 +167,10 @@ func (r *Relay) routeAPI(w http.ResponseWriter, req *http.Request, body []byte, 
 		sr.Allow = func(id string) bool { return serving[id] }
 		return w, nil
 	}
-	var f responsesFields
-	if err := json.Unmarshal(body, &f); err != nil {
-		return nil, errBadRequest("invalid_json", "The request body is not valid JSON", err)
-	}
-	store := string(f.Store) != "false"
-	if len(f.PreviousResponseID) > 0 && string(f.PreviousResponseID) != "null" {
+	store := string(rt.store) != "false"
+	if len(rt.previousResponseID) > 0 && string(rt.previousResponseID) != "null" {
 		var prev string
-		if err := json.Unmarshal(f.PreviousResponseID, &prev); err != nil {
+		if err := json.Unmarshal(rt.previousResponseID, &prev); err != nil {
 			return nil, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "invalid_type",
 				Param: "previous_response_id", Message: "'previous_response_id' must be a string"}
 		}
@@ -208,7 +188,7 @@ func (r *Relay) routeAPI(w http.ResponseWriter, req *http.Request, body []byte, 
 	if !store {
 		return w, nil
 	}
-	return &responseIDWriter{ResponseWriter: w, r: r, model: model}, nil
+	return &responseIDWriter{ResponseWriter: w, r: r, model: rt.model}, nil
 }
 
 // locateResponse returns where response id lives, or OpenAI's 404 when the
@@ -218,7 +198,7 @@ func (r *Relay) locateResponse(id, param string) (respEntry, error) {
 	if !ok {
 		return respEntry{}, errResponseNotFound(id, param)
 	}
-	if p, ok := r.reg.agentPeer(e.agent); !ok || p != e.peer {
+	if p, ok := r.reg.Peer(e.agent); !ok || p != e.peer {
 		// The engine that stored it is out of reach (or another process
 		// now holds the name): no other engine has this context.
 		r.responses.drop(id)
@@ -269,7 +249,7 @@ func (w *responseIDWriter) Write(p []byte) (int, error) {
 		w.buf = append(w.buf, p[:min(len(p), maxScanBytes-len(w.buf))]...)
 		if id, ok := scanResponseID(w.buf, w.sse); ok {
 			w.done = true
-			if pid, ok := w.r.reg.agentPeer(w.agent); ok {
+			if pid, ok := w.r.reg.Peer(w.agent); ok {
 				w.r.responses.put(id, w.agent, pid, w.model, w.r.cfg.Clock.Now())
 			}
 		} else if len(w.buf) >= maxScanBytes {
@@ -383,7 +363,7 @@ func (r *Relay) forwardStored(w http.ResponseWriter, req *http.Request, id strin
 		return err
 	}
 	rl.agent, rl.model = e.agent, e.model
-	upHost, ok := r.reg.upstreamHost(e.agent)
+	upHost, _, ok := r.reg.upstream(e.agent)
 	if !ok {
 		return errResponseNotFound(id, "")
 	}

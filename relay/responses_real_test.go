@@ -6,9 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -214,42 +211,13 @@ func TestResponsesThroughRealParts(t *testing.T) {
 // is skipped, with the reason, when node or npm is missing or the registry
 // is out of reach.
 func TestOpenAINodeResponses(t *testing.T) {
-	if testing.Short() {
-		t.Skip("skipped in -short mode: installs the npm package openai")
-	}
-	node, err := exec.LookPath("node")
-	if err != nil {
-		t.Skip("node is not installed; skipping the OpenAI Node client test")
-	}
-	npm, err := exec.LookPath("npm")
-	if err != nil {
-		t.Skip("npm is not installed; skipping the OpenAI Node client test")
-	}
-	dir := t.TempDir()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	install := exec.CommandContext(ctx, npm, "install", "--prefix", dir, "--no-audit", "--no-fund", "--loglevel=error", "openai@"+openaiNodeVersion)
-	install.Env = append(os.Environ(), "npm_config_update_notifier=false")
-	if out, err := install.CombinedOutput(); err != nil {
-		t.Skipf("npm install openai failed (registry unavailable?); skipping: %v\n%s", err, out)
-	}
+	dir := installOpenAINode(ctx, t, "openai@"+openaiNodeVersion)
 	rl := startRelay(t, "", "")
 	a, b := startSimAgent(t, rl, "n1"), startSimAgent(t, rl, "n2")
 	waitResponsesAgents(t, rl, a, b)
-	script, err := filepath.Abs(filepath.Join("testdata", "openai_responses.mjs"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.CommandContext(ctx, node, script, dir)
-	cmd.Env = append(os.Environ(), "RELAY_URL="+rl.url, "API_KEY="+itKey, "MODEL="+simengine.DefaultModel)
-	out, err := cmd.Output()
-	if err != nil {
-		var stderr string
-		if ee, ok := err.(*exec.ExitError); ok {
-			stderr = string(ee.Stderr)
-		}
-		t.Fatalf("node client: %v\n%s\n%s", err, out, stderr)
-	}
+	out := runNodeScript(ctx, t, "openai_responses.mjs", dir, "RELAY_URL="+rl.url, "API_KEY="+itKey, "MODEL="+simengine.DefaultModel)
 	var got struct {
 		Text, StreamedText, SecondText string
 		ID, StreamedID, SecondPrev     string

@@ -46,6 +46,10 @@ func scanRoutingFields(body []byte, f *routingFields) error {
 			out.PromptCacheKey = body[vs:i]
 		case asciiEqualFold(key, "messages"):
 			out.Messages = body[vs:i]
+		case asciiEqualFold(key, "previous_response_id"):
+			out.PreviousResponseID = body[vs:i]
+		case asciiEqualFold(key, "store"):
+			out.Store = body[vs:i]
 		}
 		i = skipSpace(body, i)
 		if body[i] == ',' {
@@ -66,6 +70,12 @@ func scanRoutingFields(body []byte, f *routingFields) error {
 	}
 	if out.Messages != nil {
 		f.Messages = out.Messages
+	}
+	if out.PreviousResponseID != nil {
+		f.PreviousResponseID = out.PreviousResponseID
+	}
+	if out.Store != nil {
+		f.Store = out.Store
 	}
 	return nil
 }

@@ -19,6 +19,7 @@ var routingSeeds = []string{
 	`{"model":1,"stream":"yes","messages":{}}`,
 	`{"nested":{"model":"inner"},"model":"outer","list":[1,2.5e3,-0,true,false,null,"x"]}`,
 	`{"ſtream":true,"model":"kelvin-s"}`,
+	`{"model":"m1","input":"hi","previous_response_id":"resp_1","STORE":false}`,
 	`{}`,
 	`{"model":"m1"`,
 	`{"model":"m1"} trailing`,
@@ -41,7 +42,8 @@ func checkScanMatchesUnmarshal(t *testing.T, body []byte) {
 	if werr != nil {
 		return
 	}
-	for _, p := range [][2]json.RawMessage{{want.Model, got.Model}, {want.Stream, got.Stream}, {want.PromptCacheKey, got.PromptCacheKey}, {want.Messages, got.Messages}} {
+	for _, p := range [][2]json.RawMessage{{want.Model, got.Model}, {want.Stream, got.Stream}, {want.PromptCacheKey, got.PromptCacheKey}, {want.Messages, got.Messages},
+		{want.PreviousResponseID, got.PreviousResponseID}, {want.Store, got.Store}} {
 		if !bytes.Equal(p[0], p[1]) || (p[0] == nil) != (p[1] == nil) {
 			t.Fatalf("%q:\nUnmarshal %+v\nscan      %+v", body, want, got)
 		}

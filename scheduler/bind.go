@@ -64,16 +64,15 @@ type BindingTable struct {
 	refresh int64
 
 	mu    sync.Mutex // guards the following fields
-	m     map[string]*bindNode
-	head  *bindNode // most recently touched
-	tail  *bindNode
+	m     map[string]int32
+	nodes []bindNode // by slot of list, which is in order of last touch
+	list  slabList
 	names map[string]string // interned endpoint IDs
 }
 
 type bindNode struct {
-	b          Binding
-	sent       int64 // Last as of the last time Local asked to share it
-	prev, next *bindNode
+	b    Binding
+	sent int64 // Last as of the last time Local asked to share it
 }
 
 // NewBindingTable returns a table whose bindings live ttl after their last
@@ -90,7 +89,7 @@ func NewBindingTable(ttl time.Duration, max int) *BindingTable {
 		max = 1_000_000
 	}
 	return &BindingTable{ttl: int64(ttl), max: max, refresh: int64(ttl) / 10,
-		m: make(map[string]*bindNode), names: make(map[string]string)}
+		m: make(map[string]int32), list: newSlabList(), names: make(map[string]string)}
 }
 
 // Len returns the number of sessions held, expired ones not yet dropped
@@ -110,10 +109,10 @@ func (t *BindingTable) Local(key, endpoint string, now time.Time) (Binding, bool
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.purge(ns)
-	n := t.m[key]
+	i, n := t.node(key)
 	if n != nil && n.b.Endpoint == endpoint && ns-n.b.Last < t.ttl {
 		n.b.Last = max(n.b.Last, ns)
-		t.toFront(n)
+		t.list.touch(i)
 		if ns-n.sent < t.refresh {
 			return n.b, false
 		}
@@ -124,10 +123,10 @@ func (t *BindingTable) Local(key, endpoint string, now time.Time) (Binding, bool
 	if n != nil {
 		b.Gen = n.b.Gen + 1
 		n.b, n.sent = b, ns
-		t.toFront(n)
+		t.list.touch(i)
 		return b, true
 	}
-	t.insert(&bindNode{b: b, sent: ns})
+	t.insert(bindNode{b: b, sent: ns})
 	return b, true
 }
 
@@ -141,12 +140,12 @@ func (t *BindingTable) Merge(b Binding, now time.Time) bool {
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	n := t.m[b.Key]
+	i, n := t.node(b.Key)
 	if n == nil {
 		t.purge(ns)
 		b.Endpoint = t.intern(b.Endpoint)
 		// Received, not ours to share again.
-		t.insert(&bindNode{b: b, sent: b.Last})
+		t.insert(bindNode{b: b, sent: b.Last})
 		return true
 	}
 	cur := n.b
@@ -164,7 +163,7 @@ func (t *BindingTable) Merge(b Binding, now time.Time) bool {
 	default:
 		return false
 	}
-	t.toFront(n)
+	t.list.touch(i)
 	return true
 }
 
@@ -172,7 +171,7 @@ func (t *BindingTable) Merge(b Binding, now time.Time) bool {
 func (t *BindingTable) Lookup(key string, now time.Time) (Binding, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	n := t.m[key]
+	_, n := t.node(key)
 	if n == nil || now.UnixNano()-n.b.Last >= t.ttl {
 		return Binding{}, false
 	}
@@ -186,8 +185,8 @@ func (t *BindingTable) Live(now time.Time, limit int) []Binding {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	var out []Binding
-	for n := t.head; n != nil && (limit <= 0 || len(out) < limit); n = n.next {
-		if ns-n.b.Last < t.ttl {
+	for i := t.list.head; i >= 0 && (limit <= 0 || len(out) < limit); i = t.list.links[i].next {
+		if n := &t.nodes[i]; ns-n.b.Last < t.ttl {
 			out = append(out, n.b)
 		}
 	}
@@ -199,57 +198,39 @@ func (t *BindingTable) Live(now time.Time, limit int) []Binding {
 // carry a peer's Last), so a binding out of order expires a little late,
 // never early: Lookup checks the TTL itself.
 func (t *BindingTable) purge(ns int64) {
-	for i := 0; i < maxPurge && t.tail != nil && ns-t.tail.b.Last >= t.ttl; i++ {
-		t.remove(t.tail)
+	for i := 0; i < maxPurge && t.list.tail >= 0 && ns-t.nodes[t.list.tail].b.Last >= t.ttl; i++ {
+		t.remove(t.list.tail)
 	}
 }
 
-func (t *BindingTable) insert(n *bindNode) {
-	for len(t.m) >= t.max && t.tail != nil {
-		t.remove(t.tail)
+// node returns key's slot and node, or a nil node.
+func (t *BindingTable) node(key string) (int32, *bindNode) {
+	i, ok := t.m[key]
+	if !ok {
+		return -1, nil
 	}
-	t.m[n.b.Key] = n
-	t.pushFront(n)
+	return i, &t.nodes[i]
 }
 
-func (t *BindingTable) remove(n *bindNode) {
-	t.unlink(n)
-	delete(t.m, n.b.Key)
+func (t *BindingTable) insert(n bindNode) {
+	for len(t.m) >= t.max && t.list.tail >= 0 {
+		t.remove(t.list.tail)
+	}
+	i, grew := t.list.alloc()
+	if grew {
+		t.nodes = append(t.nodes, n)
+	} else {
+		t.nodes[i] = n
+	}
+	t.m[n.b.Key] = i
+}
+
+func (t *BindingTable) remove(i int32) {
+	t.list.release(i)
+	delete(t.m, t.nodes[i].b.Key)
+	t.nodes[i] = bindNode{}
 	if len(t.m) == 0 {
 		clear(t.names)
-	}
-}
-
-func (t *BindingTable) toFront(n *bindNode) {
-	if t.head == n {
-		return
-	}
-	t.unlink(n)
-	t.pushFront(n)
-}
-
-func (t *BindingTable) unlink(n *bindNode) {
-	if n.prev != nil {
-		n.prev.next = n.next
-	} else if t.head == n {
-		t.head = n.next
-	}
-	if n.next != nil {
-		n.next.prev = n.prev
-	} else if t.tail == n {
-		t.tail = n.prev
-	}
-	n.prev, n.next = nil, nil
-}
-
-func (t *BindingTable) pushFront(n *bindNode) {
-	n.next = t.head
-	if t.head != nil {
-		t.head.prev = n
-	}
-	t.head = n
-	if t.tail == nil {
-		t.tail = n
 	}
 }
 

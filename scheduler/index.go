@@ -61,6 +61,15 @@ type epIndex struct {
 	overlap int
 }
 
+// overlapOf returns the overlap the pick stamped gen found (see
+// prefixIndex.overlaps); 0 when x is nil or was not stamped.
+func (x *epIndex) overlapOf(gen uint64) int {
+	if x == nil || x.gen != gen {
+		return 0
+	}
+	return x.overlap
+}
+
 // route is a prefix Pick sent to an endpoint, kept until its agent's
 // update has had time to arrive.
 type route struct {

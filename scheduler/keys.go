@@ -82,17 +82,8 @@ func mergeKeys(old []*keyState, ids []string) []*keyState {
 	if len(ids) == 0 {
 		return nil
 	}
-	if len(old) == len(ids) {
-		same := true
-		for i, k := range old {
-			if k.id != ids[i] {
-				same = false
-				break
-			}
-		}
-		if same {
-			return old
-		}
+	if slices.EqualFunc(old, ids, func(k *keyState, id string) bool { return k.id == id }) {
+		return old
 	}
 	out := make([]*keyState, 0, len(ids))
 	for _, id := range ids {

@@ -6,12 +6,11 @@ package scheduler
 // first, as engines free a finished request's blocks. Nodes live in one slab
 // linked by index. It is not safe for concurrent use.
 type BlockLRU struct {
-	capacity   int
-	initial    int // capacity as configured; Correct adapts within bounds of it
-	index      map[uint64]int32
-	nodes      []lruNode
-	head, tail int32 // most and least recently used; -1 when empty
-	free       int32 // free list through next; -1 when empty
+	capacity int
+	initial  int // capacity as configured; Correct adapts within bounds of it
+	index    map[uint64]int32
+	hashes   []uint64 // by slot of list
+	list     slabList
 
 	// recent remembers, for the last chains inserted, how many of their
 	// leading blocks were held before the insert, so that Correct can
@@ -19,11 +18,6 @@ type BlockLRU struct {
 	// calls comes first.
 	recent    [recentInserts]recentInsert
 	recentPos int
-}
-
-type lruNode struct {
-	hash       uint64
-	prev, next int32 // towards head, towards tail
 }
 
 type recentInsert struct {
@@ -39,7 +33,7 @@ func NewBlockLRU(capacity int) *BlockLRU {
 	capacity = max(capacity, 1)
 	return &BlockLRU{
 		capacity: capacity, initial: capacity,
-		index: make(map[uint64]int32), head: -1, tail: -1, free: -1,
+		index: make(map[uint64]int32), list: newSlabList(),
 	}
 }
 
@@ -82,13 +76,12 @@ func (l *BlockLRU) Insert(chain []uint64, added, evicted []uint64) (addedOut, ev
 	for i := len(chain) - 1; i >= 0; i-- {
 		h := chain[i]
 		if n, ok := l.index[h]; ok {
-			l.unlink(n)
-			l.pushFront(n)
+			l.list.touch(n)
 			continue
 		}
-		for len(l.index) >= l.capacity && l.tail >= 0 {
-			evicted = append(evicted, l.nodes[l.tail].hash)
-			l.remove(l.tail)
+		for len(l.index) >= l.capacity && l.list.tail >= 0 {
+			evicted = append(evicted, l.hashes[l.list.tail])
+			l.remove(l.list.tail)
 		}
 		l.add(h)
 		added = append(added, h)
@@ -148,9 +141,9 @@ func (l *BlockLRU) Correct(chain []uint64, cachedBlocks int, dropped []uint64) [
 	case d > 1:
 		l.capacity = min(l.capacity+d, 4*l.initial)
 	}
-	for len(l.index) > l.capacity && l.tail >= 0 {
-		dropped = append(dropped, l.nodes[l.tail].hash)
-		l.remove(l.tail)
+	for len(l.index) > l.capacity && l.list.tail >= 0 {
+		dropped = append(dropped, l.hashes[l.list.tail])
+		l.remove(l.list.tail)
 	}
 	return dropped
 }
@@ -160,65 +153,33 @@ func (l *BlockLRU) Correct(chain []uint64, cachedBlocks int, dropped []uint64) [
 func (l *BlockLRU) SetCapacity(n int, evicted []uint64) []uint64 {
 	n = max(n, 1)
 	l.capacity, l.initial = n, n
-	for len(l.index) > l.capacity && l.tail >= 0 {
-		evicted = append(evicted, l.nodes[l.tail].hash)
-		l.remove(l.tail)
+	for len(l.index) > l.capacity && l.list.tail >= 0 {
+		evicted = append(evicted, l.hashes[l.list.tail])
+		l.remove(l.list.tail)
 	}
 	return evicted
 }
 
 // Snapshot appends every held hash to dst, most recent first.
 func (l *BlockLRU) Snapshot(dst []uint64) []uint64 {
-	for n := l.head; n >= 0; n = l.nodes[n].next {
-		dst = append(dst, l.nodes[n].hash)
+	for n := l.list.head; n >= 0; n = l.list.links[n].next {
+		dst = append(dst, l.hashes[n])
 	}
 	return dst
 }
 
 func (l *BlockLRU) add(h uint64) {
-	var n int32
-	if l.free >= 0 {
-		n = l.free
-		l.free = l.nodes[n].next
+	n, grew := l.list.alloc()
+	if grew {
+		l.hashes = append(l.hashes, h)
 	} else {
-		l.nodes = append(l.nodes, lruNode{})
-		n = int32(len(l.nodes) - 1)
+		l.hashes[n] = h
 	}
-	l.nodes[n] = lruNode{hash: h, prev: -1, next: -1}
 	l.index[h] = n
-	l.pushFront(n)
 }
 
 func (l *BlockLRU) remove(n int32) {
-	l.unlink(n)
-	delete(l.index, l.nodes[n].hash)
-	l.nodes[n] = lruNode{prev: -1, next: l.free}
-	l.free = n
-}
-
-func (l *BlockLRU) unlink(n int32) {
-	nd := &l.nodes[n]
-	if nd.prev >= 0 {
-		l.nodes[nd.prev].next = nd.next
-	} else {
-		l.head = nd.next
-	}
-	if nd.next >= 0 {
-		l.nodes[nd.next].prev = nd.prev
-	} else {
-		l.tail = nd.prev
-	}
-	nd.prev, nd.next = -1, -1
-}
-
-func (l *BlockLRU) pushFront(n int32) {
-	nd := &l.nodes[n]
-	nd.prev, nd.next = -1, l.head
-	if l.head >= 0 {
-		l.nodes[l.head].prev = n
-	}
-	l.head = n
-	if l.tail < 0 {
-		l.tail = n
-	}
+	l.list.release(n)
+	delete(l.index, l.hashes[n])
+	l.hashes[n] = 0
 }

@@ -331,23 +331,8 @@ func writeJSONString(h *chainHasher, v []byte) bool {
 			return false
 		}
 		switch c := s[1]; c {
-		case '"', '\\', '/':
-			h.writeByte(c)
-			s = s[2:]
-		case 'b':
-			h.writeByte('\b')
-			s = s[2:]
-		case 'f':
-			h.writeByte('\f')
-			s = s[2:]
-		case 'n':
-			h.writeByte('\n')
-			s = s[2:]
-		case 'r':
-			h.writeByte('\r')
-			s = s[2:]
-		case 't':
-			h.writeByte('\t')
+		case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+			h.writeByte(jsonUnescape[c])
 			s = s[2:]
 		case 'u':
 			r, ok := hex4(s[2:])
@@ -370,6 +355,10 @@ func writeJSONString(h *chainHasher, v []byte) bool {
 	}
 	return true
 }
+
+// jsonUnescape maps the byte after a backslash to the byte it stands for,
+// for JSON's one-character escapes.
+var jsonUnescape = [256]byte{'"': '"', '\\': '\\', '/': '/', 'b': '\b', 'f': '\f', 'n': '\n', 'r': '\r', 't': '\t'}
 
 func hex4(s []byte) (rune, bool) {
 	if len(s) < 4 {

@@ -72,17 +72,13 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 	sc := s.scoreContext(now)
 	clean := len(a.dead)+len(a.used)+len(a.failed) == 0 && a.req.Allow == nil
 	minLoad, maxLoad := -1, 0
-	waiting, inFlight := 0, 0
+	inFlight, act := 0, 0
 	for _, e := range g.eps {
-		waiting += e.health.Waiting
 		inFlight += e.inFlight
+		act += e.active
 	}
 	meanBlocks := float64(len(chain))
 	if inFlight > 0 {
-		var act int
-		for _, e := range g.eps {
-			act += e.active
-		}
 		meanBlocks = float64(act) / float64(inFlight)
 	}
 
@@ -101,10 +97,7 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 		if !ok {
 			continue
 		}
-		ov := 0
-		if e.ix != nil && e.ix.gen == gen {
-			ov = e.ix.overlap
-		}
+		ov := e.ix.overlapOf(gen)
 		load := max(e.inFlight, e.health.Running) + e.health.Waiting
 		if minLoad < 0 || load < minLoad {
 			minLoad = load
@@ -151,11 +144,7 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 		return nil, 0
 	}
 	if maxLoad-minLoad > balanceAbs && float64(maxLoad) > balanceRel*float64(minLoad) && least != hi.e && !leastAvoid {
-		ov := 0
-		if least.ix != nil && least.ix.gen == gen {
-			ov = least.ix.overlap
-		}
-		return least, ov
+		return least, least.ix.overlapOf(gen)
 	}
 	// Cache first while the load is even; the load counts for more once
 	// the cache's choice is hot.

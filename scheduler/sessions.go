@@ -9,17 +9,14 @@ type sessionTable struct {
 	ttl   int64
 	max   int
 	index map[string]int32
-	ents  []sessionEntry
-	head  int32 // most recently used, -1 when empty
-	tail  int32 // least recently used, -1 when empty
-	free  int32 // free list through next, -1 when empty
+	ents  []sessionEntry // by slot of list
+	list  slabList
 }
 
 type sessionEntry struct {
-	key        string
-	ep         *endpoint
-	last       int64 // last success, nanoseconds since Scheduler.epoch
-	prev, next int32
+	key  string
+	ep   *endpoint
+	last int64 // last success, nanoseconds since Scheduler.epoch
 }
 
 // maxPurge bounds the expired entries dropped by one operation, so a pick
@@ -27,7 +24,7 @@ type sessionEntry struct {
 const maxPurge = 64
 
 func newSessionTable(ttl int64, max int) *sessionTable {
-	return &sessionTable{ttl: ttl, max: max, index: make(map[string]int32), head: -1, tail: -1, free: -1}
+	return &sessionTable{ttl: ttl, max: max, index: make(map[string]int32), list: newSlabList()}
 }
 
 func (t *sessionTable) len() int { return len(t.index) }
@@ -59,26 +56,21 @@ func (t *sessionTable) touch(key string, ep *endpoint, now int64) {
 		}
 		en.ep = ep
 		en.last = now
-		t.unlink(i)
-		t.pushFront(i)
+		t.list.touch(i)
 		return
 	}
 	t.purge(now)
-	for len(t.index) >= t.max && t.tail >= 0 {
-		t.delete(t.tail)
+	for len(t.index) >= t.max && t.list.tail >= 0 {
+		t.delete(t.list.tail)
 	}
-	var i int32
-	if t.free >= 0 {
-		i = t.free
-		t.free = t.ents[i].next
+	i, grew := t.list.alloc()
+	if grew {
+		t.ents = append(t.ents, sessionEntry{key: key, ep: ep, last: now})
 	} else {
-		t.ents = append(t.ents, sessionEntry{})
-		i = int32(len(t.ents) - 1)
+		t.ents[i] = sessionEntry{key: key, ep: ep, last: now}
 	}
-	t.ents[i] = sessionEntry{key: key, ep: ep, last: now}
 	ep.sessions++
 	t.index[key] = i
-	t.pushFront(i)
 }
 
 // evictIf forgets key if it maps to ep.
@@ -90,47 +82,18 @@ func (t *sessionTable) evictIf(key string, ep *endpoint) {
 
 // purge drops up to maxPurge expired entries from the tail.
 func (t *sessionTable) purge(now int64) {
-	for n := 0; n < maxPurge && t.tail >= 0; n++ {
-		en := &t.ents[t.tail]
+	for n := 0; n < maxPurge && t.list.tail >= 0; n++ {
+		en := &t.ents[t.list.tail]
 		if now-en.last < t.ttl && !en.ep.removed {
 			return
 		}
-		t.delete(t.tail)
+		t.delete(t.list.tail)
 	}
 }
 
 func (t *sessionTable) delete(i int32) {
-	t.unlink(i)
+	t.list.release(i)
 	t.ents[i].ep.sessions--
 	delete(t.index, t.ents[i].key)
-	t.ents[i] = sessionEntry{next: t.free, prev: -1}
-	t.free = i
-}
-
-func (t *sessionTable) unlink(i int32) {
-	en := &t.ents[i]
-	if en.prev >= 0 {
-		t.ents[en.prev].next = en.next
-	} else {
-		t.head = en.next
-	}
-	if en.next >= 0 {
-		t.ents[en.next].prev = en.prev
-	} else {
-		t.tail = en.prev
-	}
-	en.prev, en.next = -1, -1
-}
-
-func (t *sessionTable) pushFront(i int32) {
-	en := &t.ents[i]
-	en.prev = -1
-	en.next = t.head
-	if t.head >= 0 {
-		t.ents[t.head].prev = i
-	}
-	t.head = i
-	if t.tail < 0 {
-		t.tail = i
-	}
+	t.ents[i] = sessionEntry{}
 }

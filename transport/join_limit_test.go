@@ -68,6 +68,10 @@ func TestJoinWrongProofsBackOff(t *testing.T) {
 	if !rec.has("joined gpu1") {
 		t.Errorf("the honest peer's join was not seen: %v", rec.list())
 	}
+	// Counted before each answer is written: exact.
+	if js.Failed() != uint64(answered) || js.Refused() != uint64(refused) {
+		t.Errorf("relay counted %d failed and %d refused, the attacker saw %d and %d", js.Failed(), js.Refused(), answered, refused)
+	}
 }
 
 func TestJoinLimiter(t *testing.T) {

@@ -180,7 +180,8 @@ type Config struct {
 	// PeerDelay is the model time a binding takes from one relay to the
 	// others in sim mode. 0 means DefaultPeerDelay.
 	PeerDelay time.Duration
-	// Keyless sends the chat workload without session keys.
+	// Keyless sends the chat workload without session keys: Keys
+	// KeysWithout, which it requires or implies.
 	Keyless bool
 	// TimeScale speeds live engines up (live mode). Default 10.
 	TimeScale float64
@@ -267,6 +268,9 @@ func (c *Config) validate() error {
 	case KeysAuto, KeysWith, KeysWithout, KeysBoth:
 	default:
 		errs = append(errs, fmt.Errorf("keys %q: want with, without or both", c.Keys))
+	}
+	if c.Keyless && c.Keys != KeysAuto && c.Keys != KeysWithout {
+		errs = append(errs, fmt.Errorf("keyless contradicts keys %q", c.Keys))
 	}
 	if c.Duration < 0 || c.MaxRequests < 0 || c.Capacity < 0 || c.MaxAttempts < 1 {
 		errs = append(errs, errors.New("duration, requests and capacity must not be negative; max attempts at least 1"))

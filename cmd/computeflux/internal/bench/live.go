@@ -259,7 +259,7 @@ func (r *liveRun) do(ctx context.Context, session string, msgs []message, maxTok
 	}
 	req.Header.Set("Authorization", "Bearer "+key)
 	req.Header.Set("Content-Type", "application/json")
-	if !r.cfg.Keyless && session != "" { // a keyless replay names no session
+	if session != "" { // a keyless workload names no session
 		req.Header.Set("X-Session-ID", session)
 	}
 	resp, err := r.client.Do(req)

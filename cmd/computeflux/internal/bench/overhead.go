@@ -3,6 +3,7 @@ package bench
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -329,12 +330,9 @@ func pct(d []time.Duration, p float64) time.Duration {
 	return d[int(p*float64(len(d)-1))]
 }
 
-func medianDur(v []time.Duration) time.Duration {
-	slices.Sort(v)
-	return v[len(v)/2]
-}
-
-func medianF(v []float64) float64 {
+// median sorts v and returns its middle value (the upper one of an even
+// count).
+func median[T cmp.Ordered](v []T) T {
 	slices.Sort(v)
 	return v[len(v)/2]
 }
@@ -363,15 +361,15 @@ func summarizeOverhead(t, direct *target) *OverheadPath {
 		}
 		p.Errors += r.Errors
 	}
-	p.AddedSmallP50, p.AddedSmallP99 = medianDur(as50), medianDur(as99)
-	p.AddedStreamP50, p.AddedStreamP99 = medianDur(at50), medianDur(at99)
-	p.AddedLoadP50, p.LoadP50 = medianDur(al50), medianDur(l50)
-	p.RPS = medianF(rps)
+	p.AddedSmallP50, p.AddedSmallP99 = median(as50), median(as99)
+	p.AddedStreamP50, p.AddedStreamP99 = median(at50), median(at99)
+	p.AddedLoadP50, p.LoadP50 = median(al50), median(l50)
+	p.RPS = median(rps)
 	if len(ratio) > 0 {
-		p.RPSRatio = medianF(ratio)
+		p.RPSRatio = median(ratio)
 	}
 	for k, v := range cpu {
-		p.CPUPerRequest[k] = medianDur(v)
+		p.CPUPerRequest[k] = median(v)
 	}
 	return p
 }
@@ -408,7 +406,7 @@ func (r *OverheadReport) WriteTable(w io.Writer) error {
 				s50, s99, t50, t99 = append(s50, x.SmallP50), append(s99, x.SmallP99), append(t50, x.StreamP50), append(t99, x.StreamP99)
 			}
 			fmt.Fprintf(&b, "| direct | (%.3f ms) | (%.3f ms) | (%.3f ms) | (%.3f ms) | %.2f ms | %.0f | 1.00x | - | %d |\n",
-				float64(medianDur(s50))/1e6, float64(medianDur(s99))/1e6, float64(medianDur(t50))/1e6, float64(medianDur(t99))/1e6,
+				float64(median(s50))/1e6, float64(median(s99))/1e6, float64(median(t50))/1e6, float64(median(t99))/1e6,
 				float64(p.LoadP50)/1e6, p.RPS, p.Errors)
 			continue
 		}

@@ -425,11 +425,7 @@ func (r *simRun) send(si int) {
 		req:    &simengine.Request{ID: r.nextID, Tokens: s.tokens, Hashes: s.hashes, MaxTokens: t.MaxTokens},
 		prefix: prefix,
 	}
-	key := ws.Key
-	if r.cfg.Keyless {
-		key = ""
-	}
-	r.begin(c, key)
+	r.begin(c, ws.Key)
 	r.recs = append(r.recs, record{engine: -1})
 	s.turn++
 	if !r.w.Chat && s.turn < len(ws.Turns) {
