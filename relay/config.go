@@ -171,6 +171,11 @@ type Config struct {
 	// Logger receives one line per request and lifecycle events. The zero
 	// value discards them.
 	Logger zerolog.Logger
+	// RequestLogger, when not nil, receives the per-request lines instead
+	// of Logger: the one hot log line, which the binary sends through a
+	// buffered writer while lifecycle events go out at once. Nil means
+	// Logger.
+	RequestLogger *zerolog.Logger
 }
 
 // realClock is the wall clock.

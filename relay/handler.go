@@ -152,9 +152,9 @@ func (r *Relay) serveInferenceLogged(w http.ResponseWriter, req *http.Request) {
 	dur := r.cfg.Clock.Now().Sub(start)
 	r.metrics.observe(rl, dur)
 	r.stats.observe(rl, start.Add(dur))
-	ev := r.log.Info()
+	ev := r.reqLog.Info()
 	if rl.status >= 500 || rl.err != nil {
-		ev = r.log.Warn()
+		ev = r.reqLog.Warn()
 	}
 	ev = ev.Str("path", rl.path).Str("model", rl.model).Bool("stream", rl.stream).
 		Bool("session", rl.session).Str("agent", rl.agent).Str("affinity", rl.affinity).

@@ -28,6 +28,7 @@ import (
 type Relay struct {
 	cfg     Config
 	log     zerolog.Logger
+	reqLog  zerolog.Logger // the per-request lines (Config.RequestLogger)
 	sched   *scheduler.Scheduler
 	reg     *Registry
 	keys    *keyring
@@ -85,6 +86,10 @@ func New(cfg Config) (*Relay, error) {
 		keys:   newKeyring(cfg.APIKeys),
 		limits: newKeyLimits(cfg.KeyRPM, cfg.KeyConcurrency, cfg.Clock),
 		rt:     cfg.Transport,
+	}
+	r.reqLog = r.log
+	if cfg.RequestLogger != nil {
+		r.reqLog = cfg.RequestLogger.With().Str("component", "relay").Logger()
 	}
 	r.rttKick = make(chan struct{}, 1)
 	r.reg = newRegistry(sched, r.log)

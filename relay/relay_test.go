@@ -777,6 +777,8 @@ func TestPopulateKeepsSetFields(t *testing.T) {
 			f.SetFloat(float64(1000 + i))
 		case reflect.Slice:
 			f.Set(reflect.MakeSlice(f.Type(), 1, 1))
+		case reflect.Pointer:
+			f.Set(reflect.New(f.Type().Elem()))
 		case reflect.Interface, reflect.Struct:
 			// Host, Transport, Clock, Logger, Scheduler: checked below.
 		default:

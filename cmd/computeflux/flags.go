@@ -52,9 +52,20 @@ func (l *logFlags) register(fs *flag.FlagSet) {
 // logger returns the logger the flags ask for, writing to w with
 // timestamps.
 func (l *logFlags) logger(w io.Writer) (zerolog.Logger, error) {
+	lg, _, err := l.loggers(w, false)
+	return lg, err
+}
+
+// loggers returns the logger the flags ask for and the one for per-request
+// lines, writing to w with timestamps. With buffer, JSON lines to a file or
+// pipe that is not a terminal go through one logBuffer (logbuf.go): the
+// request logger's info lines are held up to logFlushEvery, the other
+// logger's lines go out at once, both in order. Otherwise both are the
+// same logger.
+func (l *logFlags) loggers(w io.Writer, buffer bool) (main, requests zerolog.Logger, err error) {
 	level, err := zerolog.ParseLevel(l.level)
 	if err != nil {
-		return zerolog.Logger{}, fmt.Errorf("--log-level: %w", err)
+		return main, requests, fmt.Errorf("--log-level: %w", err)
 	}
 	format := l.format
 	if format == "auto" {
@@ -69,12 +80,19 @@ func (l *logFlags) logger(w io.Writer) (zerolog.Logger, error) {
 	}
 	switch format {
 	case "json":
-		return zerolog.New(w).Level(level).With().Timestamp().Logger(), nil
+		if _, isFile := w.(*os.File); buffer && isFile && !isTerminal(w) {
+			b := bufferLogs(w)
+			main = zerolog.New(b.Immediate()).Level(level).With().Timestamp().Logger()
+			requests = zerolog.New(b).Level(level).With().Timestamp().Logger()
+			return main, requests, nil
+		}
+		main = zerolog.New(w).Level(level).With().Timestamp().Logger()
 	case "console":
-		return zerolog.New(zerolog.ConsoleWriter{Out: w, TimeFormat: time.TimeOnly, NoColor: true}).Level(level).With().Timestamp().Logger(), nil
+		main = zerolog.New(zerolog.ConsoleWriter{Out: w, TimeFormat: time.TimeOnly, NoColor: true}).Level(level).With().Timestamp().Logger()
 	default:
-		return zerolog.Logger{}, fmt.Errorf("--log-format %q: want console, json or auto", l.format)
+		return main, requests, fmt.Errorf("--log-format %q: want console, json or auto", l.format)
 	}
+	return main, main, nil
 }
 
 // isTerminal reports whether w is a character device (a terminal).

@@ -41,6 +41,7 @@ func main() {
 	}
 	err := dispatch(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
+	flushLogs() // buffered log lines go out before the process exits
 	switch {
 	case err == nil:
 	case errors.Is(err, flag.ErrHelp):

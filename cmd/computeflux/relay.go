@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/scheduler"
@@ -171,9 +172,11 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	if err := ops.apply(&cfg); err != nil {
 		return cfg, tf, fmt.Errorf("relay: %w", err)
 	}
-	if cfg.Logger, err = logs.logger(stderr); err != nil {
+	var reqLogger zerolog.Logger
+	if cfg.Logger, reqLogger, err = logs.loggers(stderr, true); err != nil {
 		return cfg, tf, fmt.Errorf("relay: %w", err)
 	}
+	cfg.RequestLogger = &reqLogger
 	if (tf.cert == "") != (tf.key == "") {
 		return cfg, tf, errors.New("relay: give both --tls-cert and --tls-key, or neither")
 	}

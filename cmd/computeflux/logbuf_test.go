@@ -1,0 +1,178 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+)
+
+// syncBuf is a bytes.Buffer safe for the flush timer's goroutine.
+type syncBuf struct {
+	mu     sync.Mutex
+	b      bytes.Buffer
+	writes int
+}
+
+func (s *syncBuf) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.writes++
+	return s.b.Write(p)
+}
+
+func (s *syncBuf) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func TestLogBufferHoldsInfoAndKeepsOrder(t *testing.T) {
+	out := &syncBuf{}
+	b := newLogBuffer(out, time.Hour) // only explicit flushes in this test
+	defer b.Close()
+	req := zerolog.New(b)
+	life := zerolog.New(b.Immediate())
+
+	req.Info().Msg("r1")
+	req.Debug().Msg("r2")
+	if got := out.String(); got != "" {
+		t.Fatalf("info lines written at once: %q", got)
+	}
+	life.Info().Msg("l1") // lifecycle line: out at once, after r1 and r2
+	req.Info().Msg("r3")
+	req.Warn().Msg("w1") // a warning flushes r3 before it
+	req.Info().Msg("r4")
+	if err := b.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	var msgs []string
+	for _, l := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		i := strings.Index(l, `"message":"`)
+		msgs = append(msgs, strings.TrimSuffix(l[i+len(`"message":"`):], `"}`))
+	}
+	if got, want := strings.Join(msgs, ","), "r1,r2,l1,r3,w1,r4"; got != want {
+		t.Fatalf("lines %s, want %s", got, want)
+	}
+	if out.writes != 5 { // [r1 r2] l1 [r3] w1 [r4]
+		t.Errorf("%d writes, want 5", out.writes)
+	}
+}
+
+func TestLogBufferFlushesWhenFullAndOnTimer(t *testing.T) {
+	out := &syncBuf{}
+	b := newLogBuffer(out, 20*time.Millisecond)
+	defer b.Close()
+	line := bytes.Repeat([]byte("x"), 1000)
+	line = append(line, '\n')
+	for range logBufSize / len(line) {
+		_, _ = b.WriteLevel(zerolog.InfoLevel, line)
+	}
+	before := len(out.String())
+	_, _ = b.WriteLevel(zerolog.InfoLevel, line) // no room: the buffer goes out
+	if before != 0 || len(out.String()) != logBufSize/len(line)*len(line) {
+		t.Fatalf("before the overflowing line %d bytes written, after %d", before, len(out.String()))
+	}
+	// The held line goes out within the flush interval, by itself.
+	deadline := time.Now().Add(5 * time.Second)
+	for len(out.String()) != (logBufSize/len(line)+1)*len(line) {
+		if time.Now().After(deadline) {
+			t.Fatalf("held line not flushed by the timer: %d bytes written", len(out.String()))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestLogBufferCloseWritesThrough(t *testing.T) {
+	out := &syncBuf{}
+	b := newLogBuffer(out, time.Hour)
+	_, _ = b.WriteLevel(zerolog.InfoLevel, []byte("a\n"))
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	_, _ = b.WriteLevel(zerolog.InfoLevel, []byte("b\n"))
+	if got := out.String(); got != "a\nb\n" {
+		t.Fatalf("after Close: %q", got)
+	}
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestLoggersBufferOnlyFiles(t *testing.T) {
+	var buf bytes.Buffer
+	l := logFlags{format: "json", level: "info"}
+	_, req, err := l.loggers(&buf, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Info().Msg("at once")
+	if !strings.Contains(buf.String(), "at once") {
+		t.Fatal("a logger to a non-file writer buffered its line")
+	}
+}
+
+const envLogHelper = "COMPUTEFLUX_TEST_LOGBUF_HELPER"
+
+// TestLogBufferProcessHelper is the child of TestLogsFlushedOnSIGTERM: it
+// logs through the relay's loggers to its stderr (a pipe), says so on
+// stdout, and on SIGTERM exits the way main does.
+func TestLogBufferProcessHelper(t *testing.T) {
+	if os.Getenv(envLogHelper) == "" {
+		t.Skip("helper process of TestLogsFlushedOnSIGTERM")
+	}
+	ctx, stop := signal.NotifyContext(t.Context(), syscall.SIGTERM)
+	logFlushEvery = time.Hour // only the exit path can write the held lines
+	l := logFlags{format: "json", level: "info"}
+	life, req, err := l.loggers(os.Stderr, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Info().Msg("request 1")
+	life.Info().Msg("lifecycle")
+	req.Info().Msg("request 2")
+	os.Stdout.WriteString("logged\n")
+	<-ctx.Done()
+	stop()
+	flushLogs()
+	os.Exit(0)
+}
+
+// TestLogsFlushedOnSIGTERM checks that held request lines reach the log
+// when the process ends on SIGTERM, after the lines logged before them.
+func TestLogsFlushedOnSIGTERM(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestLogBufferProcessHelper$", "-test.count=1")
+	cmd.Env = append(os.Environ(), envLogHelper+"=1")
+	var stderr syncBuf
+	cmd.Stderr = &stderr
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+	if _, err := bufio.NewReader(stdout).ReadString('\n'); err != nil {
+		t.Fatalf("helper: %v; stderr: %s", err, stderr.String())
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("helper: %v; stderr: %s", err, stderr.String())
+	}
+	got := stderr.String()
+	i1, il, i2 := strings.Index(got, "request 1"), strings.Index(got, "lifecycle"), strings.Index(got, "request 2")
+	if i1 < 0 || il < 0 || i2 < 0 || !(i1 < il && il < i2) {
+		t.Fatalf("log after SIGTERM, want request 1, lifecycle, request 2 in order:\n%s", got)
+	}
+}
