@@ -13,6 +13,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 	"sync"
@@ -363,7 +364,7 @@ func parseModelList(b []byte) ([]string, error) {
 // provider key to present ("" for agents), or the agent's peer ("" for
 // providers).
 type target struct {
-	url    string
+	u      url.URL // the upstream URL, built without parsing a string
 	rt     http.RoundTripper
 	key    string
 	keyNum int // the key's position in the provider's list, from 1; 0 for agents
@@ -380,14 +381,22 @@ func (t target) authorize(h http.Header) {
 // target resolves choice c for a request on path (/v1/...).
 func (r *Relay) target(c scheduler.Choice, path string) (target, bool) {
 	if p := r.providers.get(c.EndpointID); p != nil {
-		t := target{url: p.spec.URL.String() + strings.TrimPrefix(path, "/v1"), rt: r.providers.rt}
+		// The base URL was parsed and checked once (no query, fragment or
+		// raw path; see parseProviderURL): the request's URL is a copy
+		// with the path appended, which is what parsing
+		// base+path would give for our own clean API paths.
+		t := target{u: *p.spec.URL, rt: r.providers.rt}
+		t.u.Path += strings.TrimPrefix(path, "/v1")
+		t.u.ForceQuery = false
 		if i := slices.Index(p.keyIDs, c.Key); i >= 0 {
 			t.key, t.keyNum = p.spec.Keys[i], i+1
 		}
 		return t, true
 	}
 	host, p, ok := r.reg.upstream(c.EndpointID)
-	return target{url: "http://" + host + path, rt: r.rt, peer: p}, ok
+	// host is a peer ID (base58), path one of our API paths: nothing to
+	// parse or escape.
+	return target{u: url.URL{Scheme: "http", Host: host, Path: path}, rt: r.rt, peer: p}, ok
 }
 
 // logAttempt writes the one line for a failed attempt: the endpoint, the

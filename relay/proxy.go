@@ -178,11 +178,16 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 		defer r.live.track(tgt.peer, c.EndpointID, cancel)()
 		upCtx, acked = r.live.watchAck(ctx, cancel, tgt.peer, c.EndpointID)
 	}
-	up, err := http.NewRequestWithContext(upCtx, http.MethodPost, tgt.url, bytes.NewReader(body))
+	// Parsing the target's URL string on every attempt was a visible cost
+	// on a busy relay: the request is built with an empty URL (parsed for
+	// free) and given the target's, already built.
+	up, err := http.NewRequestWithContext(upCtx, http.MethodPost, "", bytes.NewReader(body))
 	if err != nil {
 		report(scheduler.Outcome{Err: err})
 		return attemptResult{err: err}
 	}
+	*up.URL = tgt.u
+	up.Host = tgt.u.Host
 	up.ContentLength = int64(len(body))
 	copyRequestHeaders(up.Header, req.Header)
 	tgt.authorize(up.Header)
@@ -426,19 +431,41 @@ func (s *streamCopier) clearDeadline() {
 	}
 }
 
+// forwardedHeaders are the request headers an engine may use: looked up by
+// their canonical key (as the server parsed them), forwarded with the
+// spelling the APIs document. Canonicalising "OpenAI-Beta" and the like on
+// every request cost an allocation each.
+var forwardedHeaders = [...]struct{ canon, wire string }{
+	{"Content-Type", "Content-Type"},
+	{"Accept", "Accept"},
+	{"Openai-Beta", "OpenAI-Beta"},
+	{"X-Request-Id", "X-Request-ID"},
+	{headerSessionCanon, HeaderSession},
+}
+
+// headerSessionCanon is HeaderSession in canonical form.
+const headerSessionCanon = "X-Session-Id"
+
+// Shared header values: a RoundTripper must not modify its request, so
+// one slice serves every request.
+var (
+	jsonContentType  = []string{"application/json"}
+	identityEncoding = []string{"identity"}
+)
+
 // copyRequestHeaders forwards what an engine may use. The client's
 // Authorization (its relay key) is never forwarded.
 func copyRequestHeaders(dst, src http.Header) {
-	for _, k := range []string{"Content-Type", "Accept", "OpenAI-Beta", "X-Request-ID", HeaderSession} {
-		if v := src.Values(k); len(v) > 0 {
-			dst[k] = v
+	for _, h := range forwardedHeaders {
+		if v := src[h.canon]; len(v) > 0 {
+			dst[h.wire] = v
 		}
 	}
 	if dst.Get("Content-Type") == "" {
-		dst.Set("Content-Type", "application/json")
+		dst["Content-Type"] = jsonContentType
 	}
 	// Bytes pass through as the agent sends them; no transparent gzip.
-	dst.Set("Accept-Encoding", "identity")
+	dst["Accept-Encoding"] = identityEncoding
 }
 
 // parseRetryAfter reads Retry-After as seconds or an HTTP date; 0 if absent

@@ -96,8 +96,8 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, erro
 // sessionKey is the request's affinity key: X-Session-ID, else the body's
 // prompt_cache_key. The "user" field names a person, not a conversation.
 func sessionKey(r *http.Request, rt routing) string {
-	if s := r.Header.Get("X-Session-ID"); s != "" {
-		return s
+	if v := r.Header[headerSessionCanon]; len(v) > 0 && v[0] != "" {
+		return v[0]
 	}
 	return rt.session
 }
