@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"io"
 	"net/http"
+	"unicode/utf8"
 )
 
 // routing is what the relay reads from a request body: just enough to route
@@ -50,7 +52,8 @@ func parseRouting(body []byte) (routing, error) {
 	if f.Model[0] != '"' {
 		return routing{}, errBadRequest("invalid_model", "'model' must be a string", nil)
 	}
-	if err := json.Unmarshal(f.Model, &rt.model); err != nil || rt.model == "" {
+	var err error
+	if rt.model, err = jsonString(f.Model); err != nil || rt.model == "" {
 		return routing{}, errBadRequest("missing_model", "The request must name a non-empty 'model'", err)
 	}
 	switch string(f.Stream) {
@@ -67,10 +70,33 @@ func parseRouting(body []byte) (routing, error) {
 	if len(f.PromptCacheKey) > 0 && f.PromptCacheKey[0] == '"' {
 		// A malformed key only loses affinity; it is the engine's business
 		// to reject it.
-		_ = json.Unmarshal(f.PromptCacheKey, &rt.session)
+		rt.session, _ = jsonString(f.PromptCacheKey)
 	}
 	rt.previousResponseID, rt.store = f.PreviousResponseID, f.Store
 	return rt, nil
+}
+
+// jsonString decodes raw, a JSON string json.Valid accepted, as
+// json.Unmarshal into a string would. A string without escapes, control
+// bytes or invalid UTF-8 (which Unmarshal replaces) is its bytes between
+// the quotes: that takes one allocation where Unmarshal took several.
+func jsonString(raw []byte) (string, error) {
+	if len(raw) >= 2 && raw[0] == '"' && raw[len(raw)-1] == '"' {
+		in := raw[1 : len(raw)-1]
+		plain := utf8.Valid(in)
+		for _, c := range in {
+			if c == '\\' || c == '"' || c < 0x20 {
+				plain = false
+				break
+			}
+		}
+		if plain {
+			return string(in), nil
+		}
+	}
+	var s string
+	err := json.Unmarshal(raw, &s)
+	return s, err
 }
 
 // readBody reads a request body up to limit bytes; a larger body is a 413.
@@ -78,11 +104,18 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, erro
 	if r.ContentLength > limit {
 		return nil, errTooLarge(limit)
 	}
+	if r.ContentLength > 0 {
+		// The length is known and within the limit: read it into a slice
+		// of that size (a bytes.Buffer would grow once more for its
+		// MinRead), and the server's reader ends the body there.
+		b := make([]byte, r.ContentLength)
+		if _, err := io.ReadFull(r.Body, b); err != nil {
+			return nil, errBadRequest("body_read_failed", "Could not read the request body", err)
+		}
+		return b, nil
+	}
 	rd := http.MaxBytesReader(w, r.Body, limit)
 	var buf bytes.Buffer
-	if r.ContentLength > 0 {
-		buf.Grow(int(r.ContentLength))
-	}
 	if _, err := buf.ReadFrom(rd); err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
