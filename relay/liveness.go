@@ -113,9 +113,21 @@ type watch struct {
 	probing bool      // a prober goroutine runs
 }
 
-// flight is one attempt in flight to an agent.
+// flight is one attempt in flight to an agent: registered with the agent's
+// watch, so that a silent agent cancels it, and bounded by its
+// acknowledgement timer. One allocation holds what a registration, the ack
+// state and their closures took separately.
 type flight struct {
+	l      *liveness
+	p      peer.ID
+	name   string
+	w      *watch
 	cancel context.CancelCauseFunc
+	bound  time.Duration // the ack bound
+	timer  *time.Timer   // fires at the ack bound
+	// ack is 0 while waiting, 1 once acknowledged, 2 once timed out. The
+	// first to move it decides, as for the time to first byte.
+	ack atomic.Int32
 }
 
 func newLiveness(h host.Host, reg *Registry, log zerolog.Logger, ctx context.Context, wg *sync.WaitGroup) *liveness {
@@ -127,22 +139,61 @@ func (l *liveness) ackTimeout(p peer.ID) time.Duration {
 	return ackTimeout(l.h.Peerstore().LatencyEWMA(p))
 }
 
-// track registers an attempt in flight to agent name at peer p, whose
-// context cancel ends; the returned function unregisters it.
-func (l *liveness) track(p peer.ID, name string, cancel context.CancelCauseFunc) func() {
-	f := &flight{cancel: cancel}
+// begin registers an attempt in flight to agent name at peer p, whose
+// context cancel ends, and arms its acknowledgement bound: the agent must
+// acknowledge the request within it (flight.ackExpired). It returns the flight and the request context to
+// use; the caller calls f.acked once the response's header arrived and
+// f.end when the attempt is over.
+func (l *liveness) begin(ctx context.Context, cancel context.CancelCauseFunc, p peer.ID, name string) (*flight, context.Context) {
+	f := &flight{l: l, p: p, name: name, cancel: cancel}
 	l.mu.Lock()
-	w := l.watchLocked(p, name)
-	w.flights[f] = struct{}{}
-	l.startLocked(p, w)
+	f.w = l.watchLocked(p, name)
+	f.w.flights[f] = struct{}{}
+	l.startLocked(p, f.w)
 	l.mu.Unlock()
-	return func() {
-		l.mu.Lock()
-		delete(w.flights, f)
-		if len(w.flights) == 0 {
-			w.idleAt = time.Now()
+	f.bound = l.ackTimeout(p)
+	f.timer = time.AfterFunc(f.bound, f.ackExpired)
+	return f, transport.WithAck(ctx, f.acked)
+}
+
+// end unregisters f.
+func (f *flight) end() {
+	l := f.l
+	l.mu.Lock()
+	delete(f.w.flights, f)
+	if len(f.w.flights) == 0 {
+		f.w.idleAt = time.Now()
+	}
+	l.mu.Unlock()
+}
+
+// acked records the request's acknowledgement (or its response header,
+// which is one too).
+func (f *flight) acked() {
+	if f.ack.CompareAndSwap(0, 1) {
+		f.timer.Stop()
+	}
+}
+
+// ackExpired runs when the ack bound passed.
+func (f *flight) ackExpired() {
+	if f.ack.Load() != 0 {
+		return
+	}
+	// A late ack alone is no death: a loaded agent host (or relay) delays
+	// it. Before the attempt is given up the connection itself is asked,
+	// with a ping of its own: a dead or frozen agent answers none, a slow
+	// one does, and its attempt keeps waiting (the prober's silence bound
+	// still ends it if the agent goes quiet).
+	if f.l.pingNow(f.p, 2*f.bound) {
+		if f.ack.Load() == 0 {
+			f.timer.Reset(f.bound)
 		}
-		l.mu.Unlock()
+		return
+	}
+	if f.ack.CompareAndSwap(0, 2) {
+		f.cancel(ErrNoAck)
+		f.l.noAck(f.p, f.name)
 	}
 }
 
@@ -381,48 +432,6 @@ func (g *Registry) setUnresponsive(name string, p peer.ID, on bool) {
 	g.mu.Unlock()
 	if changed {
 		g.changed()
-	}
-}
-
-// watchAck arms the acknowledgement bound of one attempt to agent name at
-// p: it returns the request context to use and a function to call once the
-// response's header arrived. Without a watch (no libp2p transport) ctx is
-// returned as it is.
-func (l *liveness) watchAck(ctx context.Context, cancel context.CancelCauseFunc, p peer.ID, name string) (context.Context, func()) {
-	// 0: waiting, 1: acknowledged, 2: timed out. The first to move it
-	// decides, as for the time to first byte.
-	var state atomic.Int32
-	bound := l.ackTimeout(p)
-	var t *time.Timer
-	t = time.AfterFunc(bound, func() {
-		if state.Load() != 0 {
-			return
-		}
-		// A late ack alone is no death: a loaded agent host (or relay)
-		// delays it. Before the attempt is given up the connection itself
-		// is asked, with a ping of its own: a dead or frozen agent answers
-		// none, a slow one does, and its attempt keeps waiting (the
-		// prober's silence bound still ends it if the agent goes quiet).
-		if l.pingNow(p, 2*bound) {
-			if state.Load() == 0 {
-				t.Reset(bound)
-			}
-			return
-		}
-		if state.CompareAndSwap(0, 2) {
-			cancel(ErrNoAck)
-			l.noAck(p, name)
-		}
-	})
-	ctx = transport.WithAck(ctx, func() {
-		if state.CompareAndSwap(0, 1) {
-			t.Stop()
-		}
-	})
-	return ctx, func() {
-		if state.CompareAndSwap(0, 1) {
-			t.Stop()
-		}
 	}
 }
 

@@ -170,13 +170,14 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 
 	ctx, cancel := context.WithCancelCause(req.Context())
 	defer cancel(nil)
-	upCtx, acked := ctx, func() {}
+	upCtx := ctx
+	var fl *flight
 	if tgt.peer != "" && r.live != nil {
 		// An agent (not a provider): see liveness.go. It must acknowledge
 		// the request within a few round trips, and answer probes while
 		// the request is in flight.
-		defer r.live.track(tgt.peer, c.EndpointID, cancel)()
-		upCtx, acked = r.live.watchAck(ctx, cancel, tgt.peer, c.EndpointID)
+		fl, upCtx = r.live.begin(ctx, cancel, tgt.peer, c.EndpointID)
+		defer fl.end()
 	}
 	// Parsing the target's URL string on every attempt was a visible cost
 	// on a busy relay: the request is built with an empty URL (parsed for
@@ -209,7 +210,9 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	if err != nil {
 		return r.failed(ctx, req, report, start, 0, err)
 	}
-	acked() // a response header is an acknowledgement too
+	if fl != nil {
+		fl.acked() // a response header is an acknowledgement too
+	}
 	defer resp.Body.Close()
 
 	if cls := scheduler.Classify(resp.StatusCode, nil); cls.Retryable() {
