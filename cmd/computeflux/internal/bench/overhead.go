@@ -738,10 +738,14 @@ func startFRP(ctx context.Context, frps, frpc, dir string, enginePort int) ([]*t
 	if err != nil {
 		return nil, nil, err
 	}
+	vhostPort, err := freePort("tcp")
+	if err != nil {
+		return nil, nil, err
+	}
 	const token = "computeflux-bench"
 	srvConf := filepath.Join(dir, "frps.toml")
-	if err := os.WriteFile(srvConf, fmt.Appendf(nil, "bindAddr = \"127.0.0.1\"\nbindPort = %d\nquicBindPort = %d\nproxyBindAddr = \"127.0.0.1\"\nauth.token = %q\nlog.level = \"warn\"\n",
-		bindPort, quicPort, token), 0o600); err != nil {
+	if err := os.WriteFile(srvConf, fmt.Appendf(nil, "bindAddr = \"127.0.0.1\"\nbindPort = %d\nquicBindPort = %d\nvhostHTTPPort = %d\nproxyBindAddr = \"127.0.0.1\"\nauth.token = %q\nlog.level = \"warn\"\n",
+		bindPort, quicPort, vhostPort, token), 0o600); err != nil {
 		return nil, nil, err
 	}
 	s, err := startProc(ctx, "frps", dir, nil, frps, "-c", srvConf)
@@ -753,7 +757,12 @@ func startFRP(ctx context.Context, frps, frpc, dir string, enginePort int) ([]*t
 		return nil, procs, err
 	}
 	var targets []*target
-	for _, tr := range []struct{ name, proto string }{{"frp-tcp", "tcp"}, {"frp-quic", "quic"}} {
+	// frp-tcp and frp-quic are frp's tcp proxy (frps copies bytes; frpc
+	// too) over each transport; frp-http is its http proxy, where frps
+	// serves HTTP (Go's net/http and httputil.ReverseProxy) and routes by
+	// Host: one HTTP hop, the nearest of frp's modes to a relay that must
+	// read each request to route it.
+	for _, tr := range []struct{ name, proto, kind string }{{"frp-tcp", "tcp", "tcp"}, {"frp-quic", "quic", "tcp"}, {"frp-http", "tcp", "http"}} {
 		remote, err := freePort("tcp")
 		if err != nil {
 			return nil, procs, err
@@ -762,9 +771,14 @@ func startFRP(ctx context.Context, frps, frpc, dir string, enginePort int) ([]*t
 		if tr.proto == "quic" {
 			port = quicPort
 		}
+		proxy := fmt.Sprintf("type = \"tcp\"\nremotePort = %d\n", remote)
+		if tr.kind == "http" {
+			remote = vhostPort
+			proxy = "type = \"http\"\ncustomDomains = [\"127.0.0.1\"]\n"
+		}
 		conf := filepath.Join(dir, tr.name+".toml")
-		if err := os.WriteFile(conf, fmt.Appendf(nil, "serverAddr = \"127.0.0.1\"\nserverPort = %d\nauth.token = %q\nlog.level = \"warn\"\nloginFailExit = false\ntransport.protocol = %q\n\n[[proxies]]\nname = %q\ntype = \"tcp\"\nlocalIP = \"127.0.0.1\"\nlocalPort = %d\nremotePort = %d\n",
-			port, token, tr.proto, tr.name, enginePort, remote), 0o600); err != nil {
+		if err := os.WriteFile(conf, fmt.Appendf(nil, "serverAddr = \"127.0.0.1\"\nserverPort = %d\nauth.token = %q\nlog.level = \"warn\"\nloginFailExit = false\ntransport.protocol = %q\n\n[[proxies]]\nname = %q\n%slocalIP = \"127.0.0.1\"\nlocalPort = %d\n",
+			port, token, tr.proto, tr.name, proxy, enginePort), 0o600); err != nil {
 			return nil, procs, err
 		}
 		c, err := startProc(ctx, tr.name+"-frpc", dir, nil, frpc, "-c", conf)
