@@ -113,7 +113,7 @@ func bufferBody(next http.Handler) http.Handler {
 		w := newAckWriter(rw)
 		defer w.done()
 		if r.Body != nil && r.Body != http.NoBody {
-			b, err := io.ReadAll(http.MaxBytesReader(rw, r.Body, MaxRequestBody))
+			b, err := readBody(rw, r)
 			if err != nil {
 				var tooBig *http.MaxBytesError
 				if errors.As(err, &tooBig) {
@@ -128,6 +128,22 @@ func bufferBody(next http.Handler) http.Handler {
 		}
 		next.ServeHTTP(w, r)
 	})
+}
+
+// readBody reads r's whole body, at most MaxRequestBody bytes: into one
+// buffer of the declared length when there is one (the relay always declares
+// it), growing one otherwise.
+func readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
+	if n := r.ContentLength; n > 0 && n <= MaxRequestBody {
+		// net/http's body reader stops at Content-Length and fails a
+		// body cut short.
+		b := make([]byte, n)
+		if _, err := io.ReadFull(r.Body, b); err != nil {
+			return nil, err
+		}
+		return b, nil
+	}
+	return io.ReadAll(http.MaxBytesReader(w, r.Body, MaxRequestBody))
 }
 
 // Rejected returns how many streams from non-allowed peers were reset.
