@@ -105,10 +105,16 @@ func (a *ackWriter) WriteHeader(code int) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if code >= 100 && code < 200 {
-		// An informational status of the handler's own goes out as
-		// it is and leaves the head to come.
+		// An informational status of the handler's own (an engine's 103
+		// passed on) goes out with the handler's header as it is now,
+		// and leaves the head to come.
 		if !a.head {
+			dst := a.w.Header()
+			for k, v := range a.h {
+				dst[k] = v
+			}
 			a.w.WriteHeader(code)
+			clear(dst)
 		}
 		return
 	}

@@ -2,8 +2,11 @@ package transport
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptrace"
+	"net/textproto"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -103,5 +106,40 @@ func TestAckWhileHandlerSetsHeaders(t *testing.T) {
 		if !got.Load() {
 			t.Fatal("no ack before a head written after 3 AckDelays")
 		}
+	}
+}
+
+// TestHandlerInformationalPassesThrough checks that a handler's own 1xx
+// (an engine's 103 Early Hints passed on) carries its header, and that the
+// header does not leak into the final answer.
+func TestHandlerInformationalPassesThrough(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Link", "</style.css>; rel=preload")
+		w.WriteHeader(http.StatusEarlyHints)
+		w.Header().Del("Link")
+		io.WriteString(w, "ok")
+	}), cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	var hints []string
+	ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{
+		Got1xxResponse: func(code int, h textproto.MIMEHeader) error {
+			hints = append(hints, fmt.Sprintf("%d %s", code, h.Get("Link")))
+			return nil
+		},
+	})
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+srv.ID().String()+"/x", nil)
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(b) != "ok" || resp.Header.Get("Link") != "" {
+		t.Fatalf("answer %q, header %v", b, resp.Header)
+	}
+	if len(hints) != 1 || hints[0] != "103 </style.css>; rel=preload" {
+		t.Fatalf("informational answers %q", hints)
 	}
 }
