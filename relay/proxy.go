@@ -274,7 +274,11 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	// Set without canonicalising, so the wire shows the documented
 	// spelling (X-ComputeFlux-...); header names are case-insensitive.
 	h[HeaderAgent] = []string{c.EndpointID}
-	h[HeaderAffinity] = []string{c.Affinity.String()}
+	if int(c.Affinity) < len(affinityValues) {
+		h[HeaderAffinity] = affinityValues[c.Affinity]
+	} else {
+		h[HeaderAffinity] = []string{c.Affinity.String()}
+	}
 	if sse {
 		h.Set("X-Accel-Buffering", "no") // tell reverse proxies in front not to buffer
 		// Re-framing may change the length (a malformed tail becomes an
@@ -455,6 +459,15 @@ var (
 	jsonContentType  = []string{"application/json"}
 	identityEncoding = []string{"identity"}
 )
+
+// affinityValues are the X-ComputeFlux-Affinity values by
+// scheduler.Affinity, shared by every response: header values are only
+// read once set (net/http copies them when the header is written).
+var affinityValues = [...][]string{
+	scheduler.AffinityNone: {scheduler.AffinityNone.String()},
+	scheduler.AffinityHit:  {scheduler.AffinityHit.String()},
+	scheduler.AffinityMiss: {scheduler.AffinityMiss.String()},
+}
 
 // copyRequestHeaders forwards what an engine may use. The client's
 // Authorization (its relay key) is never forwarded.
