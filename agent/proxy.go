@@ -34,13 +34,20 @@ var copyBuffers = &bufferPool{}
 // (ReverseProxy's own size).
 type bufferPool struct{ p sync.Pool }
 
-// Get returns a 32 KiB buffer.
-func (b *bufferPool) Get() []byte {
+// get returns a 32 KiB buffer.
+func (b *bufferPool) get() *[]byte {
 	if v, ok := b.p.Get().(*[]byte); ok {
-		return *v
+		return v
 	}
-	return make([]byte, 32<<10)
+	buf := make([]byte, 32<<10)
+	return &buf
 }
+
+// put returns a buffer from get.
+func (b *bufferPool) put(buf *[]byte) { b.p.Put(buf) }
+
+// Get returns a 32 KiB buffer.
+func (b *bufferPool) Get() []byte { return *b.get() }
 
 // Put returns a buffer from Get.
 func (b *bufferPool) Put(buf []byte) { b.p.Put(&buf) }
@@ -66,7 +73,11 @@ func (a *Agent) newProxy() http.Handler {
 		// request: under load that was most of the agent's allocation and
 		// its GC most of the agent's CPU beyond the network itself.
 		BufferPool:     copyBuffers,
-		ModifyResponse: a.observeResponse, // prefix index (usage.go)
+		ModifyResponse: func(resp *http.Response) error {
+			st, _ := resp.Request.Context().Value(servedKey{}).(*servedReq)
+			a.observeResponse(resp, st) // prefix index (usage.go)
+			return nil
+		},
 		// Server-sent events are flushed per write by ReverseProxy itself
 		// (it recognises text/event-stream and unknown lengths).
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
