@@ -72,7 +72,7 @@ func (a *Agent) newProxy() http.Handler {
 		// Without a pool, ReverseProxy allocates a 32 KiB copy buffer per
 		// request: under load that was most of the agent's allocation and
 		// its GC most of the agent's CPU beyond the network itself.
-		BufferPool:     copyBuffers,
+		BufferPool: copyBuffers,
 		ModifyResponse: func(resp *http.Response) error {
 			st, _ := resp.Request.Context().Value(servedKey{}).(*servedReq)
 			a.observeResponse(resp, st) // prefix index (usage.go)

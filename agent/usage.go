@@ -34,7 +34,7 @@ type servedReq struct {
 	chain []uint64
 	// strip: the engine was asked for a usage chunk the client did not ask
 	// for; it is not passed on.
-	strip bool
+	strip  bool
 	body   usageBody    // the answer's reader, allocated with the request's state
 	reader bytes.Reader // the request body forwarded
 }
