@@ -2,7 +2,6 @@ package agent
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"io"
@@ -25,10 +24,6 @@ const maxUsageEvent = 1 << 20
 // maxUsageJSON bounds the non-streamed answer kept to read its usage.
 const maxUsageJSON = 4 << 20
 
-// servedKey carries a request's prefix state from ServeHTTP to the
-// response hook.
-type servedKey struct{}
-
 // servedReq is one request's prefix state.
 type servedReq struct {
 	chain []uint64
@@ -40,11 +35,12 @@ type servedReq struct {
 }
 
 // indexRequest reads r's body, hashes its prompt for the index and, for a
-// stream whose client did not ask for usage, asks the engine for it. It
-// returns the request to forward.
-func (a *Agent) indexRequest(r *http.Request) *http.Request {
+// stream whose client did not ask for usage, asks the engine for it: it
+// sets r's body to the one to forward and returns the request's prefix
+// state (nil when not indexed).
+func (a *Agent) indexRequest(r *http.Request) *servedReq {
 	if a.index == nil || r.Body == nil {
-		return r
+		return nil
 	}
 	body, err := readBody(r)
 	if err != nil || len(body) > maxHashedBody {
@@ -53,7 +49,7 @@ func (a *Agent) indexRequest(r *http.Request) *http.Request {
 			io.Reader
 			io.Closer
 		}{io.MultiReader(bytes.NewReader(body), r.Body), r.Body}
-		return r
+		return nil
 	}
 	st := &servedReq{chain: scheduler.PromptBlocks(nil, body, a.index.cfg.Prefix)}
 	if out, ok := askUsage(body); ok {
@@ -65,7 +61,7 @@ func (a *Agent) indexRequest(r *http.Request) *http.Request {
 	// writes the request in one write.
 	r.Body = io.NopCloser(&st.reader)
 	r.ContentLength = int64(len(body))
-	return r.WithContext(context.WithValue(r.Context(), servedKey{}, st))
+	return st
 }
 
 // readBody reads r's body, up to maxHashedBody+1 bytes: in one read of its
