@@ -267,18 +267,20 @@ func (f *usageFields) usage() usage {
 }
 
 // readUsage reads an answer (or a stream chunk's data) as
-// json.Unmarshal into usageFields would: ok is false when that fails; u is
-// the top-level usage object's prompt_tokens and
-// prompt_tokens_details.cached_tokens (u.seen false without a usage
-// object); noChoices reports an empty or missing choices array. It checks
-// data with json.Valid and scans its keys without allocating; anything
-// its scan does not decide exactly (escaped or non-ASCII keys, values of
-// an unexpected type) goes to readUsageJSON. Unmarshalling every answer
-// was most of the agent's encoding/json time.
+// json.Unmarshal into usageFields would: u is the top-level usage object's
+// prompt_tokens and prompt_tokens_details.cached_tokens (u.seen false
+// without a usage object); noChoices reports an empty or missing choices
+// array; ok is false for what is not a JSON object. It scans the keys
+// without allocating; anything its scan does not decide as encoding/json
+// would (escaped or non-ASCII keys, values of an unexpected type, a scan
+// that fails) goes to readUsageJSON. Unmarshalling every answer was most
+// of the agent's encoding/json time, and json.Valid alone still showed in
+// its profile: the scan checks the structure and the values it reads, not
+// every scalar, so an answer malformed only in some other scalar (`tru`)
+// still has its usage read, where encoding/json would refuse it. The usage
+// only corrects the prefix index's estimate, and the client gets the
+// engine's bytes as they are either way.
 func readUsage(data []byte) (u usage, noChoices, ok bool) {
-	if !json.Valid(data) {
-		return usage{}, false, false
-	}
 	var choices, usg []byte
 	plain := true
 	if !scheduler.ScanObject(data, func(k, v []byte) {
