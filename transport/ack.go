@@ -5,17 +5,27 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"net/textproto"
+	"sync"
+	"time"
 )
 
 // AckStatus is the informational status (102 Processing) an InferProtocol
-// server sends as soon as it has read a request's header, before the
-// request's body is read and long before an engine answers. It tells the
-// client that the peer is alive and holds the request, whatever the engine's
-// speed, so that a client can bound the wait for it by the path's round trip
-// time instead of by the engine's time to first token. It costs a few bytes
-// on the request's own stream and no round trip: the response follows on the
-// same stream.
+// server sends once it has held a request for AckDelay without a response
+// head to send: long before an engine's first token, whatever the body's
+// size. It tells the client that the peer is alive and holds the request,
+// so that a client can bound the wait for an acknowledgement by the path's
+// round trip time instead of by the engine's time to first token. A
+// response head is an acknowledgement too; the client treats the two alike.
+// It costs a few bytes on the request's own stream and no round trip.
 const AckStatus = http.StatusProcessing
+
+// AckDelay is how long a server holds a request before it sends AckStatus.
+// An answer ready sooner (an engine's error, a cached model list, a fast
+// engine) goes out alone: the ack would cost a QUIC packet each way and a
+// wake-up on both ends, about a sixth of the path's CPU for short requests.
+// It is far below any client's bound for the ack (the relay waits at least
+// 250 ms), so a silent peer is found as early as before.
+const AckDelay = 10 * time.Millisecond
 
 // WithAck returns a context for an outgoing request on which onAck is called
 // (from the transport's reader goroutine, so it must not block) when the
@@ -31,7 +41,102 @@ func WithAck(ctx context.Context, onAck func()) context.Context {
 	})
 }
 
-// ack sends AckStatus on w at once.
-func ack(w http.ResponseWriter) {
-	w.WriteHeader(AckStatus)
+// ackWriter is the http.ResponseWriter a handler of ServeHTTP gets: it sends
+// AckStatus on its own after AckDelay unless the handler has written its
+// response head by then. The timer writes from its own goroutine, so every
+// write to the connection is made under mu, and the handler fills a header
+// map of its own until its response head is written: net/http writes the
+// current header map with a 1xx status, and the handler may be filling it
+// just then.
+type ackWriter struct {
+	w     http.ResponseWriter
+	mu    sync.Mutex
+	h     http.Header // the handler's header until the head is written
+	head  bool        // the response head is written (or the handler returned)
+	timer *time.Timer
 }
+
+func newAckWriter(w http.ResponseWriter) *ackWriter {
+	a := &ackWriter{w: w, h: make(http.Header)}
+	a.timer = time.AfterFunc(AckDelay, a.ack)
+	return a
+}
+
+// ack sends AckStatus unless the response head is out.
+func (a *ackWriter) ack() {
+	a.mu.Lock()
+	if !a.head {
+		a.w.WriteHeader(AckStatus)
+	}
+	a.mu.Unlock()
+}
+
+// done ends the ack's chance: the handler returned.
+func (a *ackWriter) done() {
+	a.timer.Stop()
+	a.mu.Lock()
+	a.head = true
+	a.mu.Unlock()
+}
+
+// Header returns the handler's header map: its own until the head is
+// written, the connection's after (trailers are set there).
+func (a *ackWriter) Header() http.Header {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.h
+}
+
+// writeHead copies the handler's header to the connection's; mu is held.
+func (a *ackWriter) writeHead() {
+	if a.head {
+		return
+	}
+	a.head = true
+	a.timer.Stop()
+	dst := a.w.Header()
+	for k, v := range a.h {
+		dst[k] = v
+	}
+	a.h = dst
+}
+
+func (a *ackWriter) WriteHeader(code int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if code >= 100 && code < 200 {
+		// An informational status of the handler's own (an engine's 103
+		// passed on) goes out with the handler's header as it is now,
+		// and leaves the head to come.
+		if !a.head {
+			dst := a.w.Header()
+			for k, v := range a.h {
+				dst[k] = v
+			}
+			a.w.WriteHeader(code)
+			clear(dst)
+		}
+		return
+	}
+	a.writeHead()
+	a.w.WriteHeader(code)
+}
+
+func (a *ackWriter) Write(p []byte) (int, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.writeHead()
+	return a.w.Write(p)
+}
+
+// FlushError flushes the connection's buffer, as http.ResponseController
+// expects of a writer.
+func (a *ackWriter) FlushError() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.writeHead()
+	return http.NewResponseController(a.w).Flush()
+}
+
+// Flush is http.Flusher's.
+func (a *ackWriter) Flush() { _ = a.FlushError() }

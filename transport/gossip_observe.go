@@ -2,9 +2,7 @@ package transport
 
 import (
 	"bytes"
-	"compress/lzw"
 	"encoding/binary"
-	"io"
 	"math"
 	"time"
 
@@ -81,14 +79,8 @@ func (g *Gossip) observeMsg(b []byte, depth int) {
 			g.observeMsg(part, depth+1)
 		}
 	case mlCompressMsg:
-		var c mlCompress
-		if mlDecode(b[1:], &c) != nil || c.Algo != 0 {
-			return
-		}
-		r := lzw.NewReader(bytes.NewReader(c.Buf), lzw.LSB, mlLzwLitWidth)
-		plain, err := io.ReadAll(io.LimitReader(r, gossipMaxPacket*4))
-		r.Close()
-		if err == nil {
+		// The guard's decoder, with the guard's bound.
+		if plain, err := decompressMsg(b[1:]); err == nil {
 			g.observeMsg(plain, depth+1)
 		}
 	case mlSuspectMsg:

@@ -65,8 +65,9 @@ func PeerFromContext(ctx context.Context) (peer.ID, bool) {
 // reset) end the request's context at once, whatever the handler does.
 // OpenAI request bodies are complete JSON documents, so nothing is lost.
 //
-// Every request is acknowledged with AckStatus as soon as its header is read,
-// before its body and before handler runs (see WithAck).
+// Every request is acknowledged with AckStatus once it has been held for
+// AckDelay from its header on (body read or not) without a response head
+// (see WithAck).
 func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (io.Closer, error) {
 	if allow == nil {
 		allow = func(peer.ID) bool { return false }
@@ -106,10 +107,13 @@ func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (io.
 }
 
 func bufferBody(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		ack(w) // before the body: the client's liveness bound ignores its size
+	return http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		// From the header on: the client's liveness bound ignores the
+		// body's size.
+		w := newAckWriter(rw)
+		defer w.done()
 		if r.Body != nil && r.Body != http.NoBody {
-			b, err := io.ReadAll(http.MaxBytesReader(w, r.Body, MaxRequestBody))
+			b, err := readBody(rw, r)
 			if err != nil {
 				var tooBig *http.MaxBytesError
 				if errors.As(err, &tooBig) {
@@ -124,6 +128,22 @@ func bufferBody(next http.Handler) http.Handler {
 		}
 		next.ServeHTTP(w, r)
 	})
+}
+
+// readBody reads r's whole body, at most MaxRequestBody bytes: into one
+// buffer of the declared length when there is one (the relay always declares
+// it), growing one otherwise.
+func readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
+	if n := r.ContentLength; n > 0 && n <= MaxRequestBody {
+		// net/http's body reader stops at Content-Length and fails a
+		// body cut short.
+		b := make([]byte, n)
+		if _, err := io.ReadFull(r.Body, b); err != nil {
+			return nil, err
+		}
+		return b, nil
+	}
+	return io.ReadAll(http.MaxBytesReader(w, r.Body, MaxRequestBody))
 }
 
 // Rejected returns how many streams from non-allowed peers were reset.

@@ -3,6 +3,7 @@ package transport
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"sync"
 	"time"
 
@@ -138,24 +139,39 @@ func joinBackoff(k int) time.Duration {
 	return min(d, joinBackoffMax)
 }
 
-// sweep drops stale entries from a full table, then the oldest if needed.
+// sweep makes room in a full table: it drops the stale entries and, when
+// fresh ones still fill more than 15/16 of it, the oldest news down to
+// that. A table flooded with fresh entries (a peer cycling through IDs) is
+// thus walked once per max/16 insertions, not at each one: amortized, a
+// failed handshake costs a few dozen steps here however full the table.
 func sweep[K comparable](m map[K]*joinFailures, now time.Time) {
-	if len(m) < joinMaxTracked {
+	sweepTo(m, now, joinMaxTracked)
+}
+
+func sweepTo[K comparable](m map[K]*joinFailures, now time.Time, max int) {
+	if len(m) < max {
 		return
 	}
-	var oldest K
-	var oldestAt time.Time
 	for k, f := range m {
 		if now.Sub(f.last) > joinForgetAfter && !now.Before(f.until) {
 			delete(m, k)
-			continue
-		}
-		if oldestAt.IsZero() || f.last.Before(oldestAt) {
-			oldest, oldestAt = k, f.last
 		}
 	}
-	if len(m) >= joinMaxTracked {
-		delete(m, oldest)
+	keep := max - max/16
+	if len(m) <= keep {
+		return
+	}
+	type entry struct {
+		k    K
+		last time.Time
+	}
+	all := make([]entry, 0, len(m))
+	for k, f := range m {
+		all = append(all, entry{k, f.last})
+	}
+	slices.SortFunc(all, func(a, b entry) int { return a.last.Compare(b.last) })
+	for _, e := range all[:len(all)-keep] {
+		delete(m, e.k)
 	}
 }
 

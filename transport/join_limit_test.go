@@ -2,6 +2,7 @@ package transport
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"strings"
 	"testing"
@@ -135,5 +136,53 @@ func TestJoinBackoffCapped(t *testing.T) {
 		if got := joinBackoff(k); got != want {
 			t.Errorf("joinBackoff(%d) = %v, want %v", k, got, want)
 		}
+	}
+}
+
+func TestJoinLimiterSweepKeepsRecentNews(t *testing.T) {
+	now := time.Unix(1e6, 0)
+	m := map[int]*joinFailures{}
+	const max = 64
+	for i := 0; i < max; i++ {
+		m[i] = &joinFailures{n: 1, last: now.Add(time.Duration(i) * time.Second)}
+	}
+	m[0].last = now.Add(-2 * joinForgetAfter) // stale
+	sweepTo(m, now.Add(time.Minute), max)
+	if len(m) != max-max/16 {
+		t.Fatalf("%d entries left, want %d", len(m), max-max/16)
+	}
+	// The stale entry and the oldest fresh ones went; the newest stayed.
+	for i := 0; i < max/16; i++ {
+		if _, ok := m[i]; ok {
+			t.Fatalf("entry %d (among the oldest) kept", i)
+		}
+	}
+	for i := max / 16; i < max; i++ {
+		if _, ok := m[i]; !ok {
+			t.Fatalf("entry %d (recent) dropped", i)
+		}
+	}
+	// Below the bound nothing is walked or dropped.
+	sweepTo(m, now.Add(time.Hour), max)
+	if len(m) != max-max/16 {
+		t.Fatalf("sweep below the bound dropped entries: %d left", len(m))
+	}
+}
+
+// BenchmarkJoinLimiterFlood times a failed handshake from a new peer ID
+// while the table is full of fresh entries (a peer cycling through IDs).
+func BenchmarkJoinLimiterFlood(b *testing.B) {
+	l := newJoinLimiter()
+	now := time.Unix(1e6, 0)
+	ids := make([]peer.ID, joinMaxTracked+b.N)
+	for i := range ids {
+		ids[i] = peer.ID(fmt.Sprintf("peer-%d", i))
+	}
+	for i := 0; i < joinMaxTracked; i++ {
+		l.failed(ids[i], netip.Addr{}, now)
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		l.failed(ids[joinMaxTracked+i], netip.Addr{}, now.Add(time.Duration(i)*time.Microsecond))
 	}
 }

@@ -531,10 +531,11 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, g *genRequest)
 		if !first {
 			continue
 		}
-		if err := out.chunks(pieces[sent:ready]); err != nil {
+		next := newPieces(pieces, sent, ready)
+		if err := out.chunks(next); err != nil {
 			return errStarted{err}
 		}
-		sent = ready
+		sent += len(next)
 		if done {
 			s.logDone(id, usage)
 			if err := out.end(finish, usage); err != nil {
@@ -543,6 +544,18 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, g *genRequest)
 			return nil
 		}
 	}
+}
+
+// newPieces returns the pieces after the sent ones up to ready. The engine's
+// count can read lower than what was sent (a request that finished between
+// the notification and the read counts 0 until done is seen) and is capped
+// by the answer's length.
+func newPieces(pieces []string, sent, ready int) []string {
+	ready = min(ready, len(pieces))
+	if ready <= sent {
+		return nil
+	}
+	return pieces[sent:ready]
 }
 
 func (s *Server) logDone(id uint64, u Usage) {

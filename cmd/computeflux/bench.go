@@ -189,11 +189,17 @@ func runOverhead(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	fs.IntVar(&cfg.ProfileSeconds, "profile-seconds", 10, "length of the CPU profiles")
 	fs.BoolVar(&asJSON, "json", false, "print JSON instead of a table")
 	fs.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
+	var proxyListen, proxyUpstream string
+	fs.StringVar(&proxyListen, "serve-reverse-proxy", "", "serve only Go's httputil.ReverseProxy on this `addr` (the benchmark's one-hop baseline, run as its own process)")
+	fs.StringVar(&proxyUpstream, "upstream", "", "with --serve-reverse-proxy: the engine's `URL`")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
+	}
+	if proxyListen != "" {
+		return bench.ServeReverseProxy(ctx, proxyListen, proxyUpstream)
 	}
 	if !quiet {
 		cfg.Progress = stderr

@@ -10,6 +10,8 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httputil"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -138,6 +140,7 @@ type OverheadPath struct {
 	RPS, RPSRatio                  float64
 	CPUPerRequest                  map[string]time.Duration
 	Errors                         int64
+	NoStream                       bool // streams were not timed (the Added* stream figures are 0)
 }
 
 // OverheadReport is RunOverhead's result.
@@ -155,6 +158,8 @@ type target struct {
 	client *http.Client
 	procs  []*proc // the path's own processes, for CPU time
 	rounds []OverheadRound
+	// noStream: streamed requests are not timed on this path.
+	noStream bool
 }
 
 // RunOverhead starts the stub engine, the paths to it and measures them; it
@@ -201,6 +206,16 @@ func RunOverhead(ctx context.Context, cfg OverheadConfig) (*OverheadReport, erro
 	} else {
 		progress("frp not timed: set %s and %s to its binaries", EnvFRPS, EnvFRPC)
 	}
+
+	progress("starting Go's reverse proxy (%s)", cfg.Binary)
+	gt, gp, err := startReverseProxy(ctx, cfg, dir, eng.url)
+	if gp != nil {
+		procs = append(procs, gp)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("go-reverse-proxy: %w", err)
+	}
+	targets = append(targets, gt)
 
 	progress("starting relay and agent (%s)", cfg.Binary)
 	ct, cps, pprofAddrs, err := startComputeflux(ctx, cfg, dir, eng.url, "")
@@ -282,6 +297,9 @@ func measureRound(ctx context.Context, cfg OverheadConfig, targets []*target, ro
 			} else {
 				errs[k]++
 			}
+			if t.noStream {
+				continue
+			}
 			if d, err := t.do(ctx, true); err == nil {
 				stream[k] = append(stream[k], d)
 			} else {
@@ -340,7 +358,7 @@ func median[T cmp.Ordered](v []T) T {
 // summarizeOverhead takes medians over rounds of t's figures against direct's in
 // the same round.
 func summarizeOverhead(t, direct *target) *OverheadPath {
-	p := &OverheadPath{Name: t.name, Rounds: t.rounds, CPUPerRequest: map[string]time.Duration{}}
+	p := &OverheadPath{Name: t.name, Rounds: t.rounds, CPUPerRequest: map[string]time.Duration{}, NoStream: t.noStream}
 	var as50, as99, at50, at99, al50, l50 []time.Duration
 	var rps, ratio []float64
 	cpu := map[string][]time.Duration{}
@@ -362,7 +380,9 @@ func summarizeOverhead(t, direct *target) *OverheadPath {
 		p.Errors += r.Errors
 	}
 	p.AddedSmallP50, p.AddedSmallP99 = median(as50), median(as99)
-	p.AddedStreamP50, p.AddedStreamP99 = median(at50), median(at99)
+	if !t.noStream {
+		p.AddedStreamP50, p.AddedStreamP99 = median(at50), median(at99)
+	}
 	p.AddedLoadP50, p.LoadP50 = median(al50), median(l50)
 	p.RPS = median(rps)
 	if len(ratio) > 0 {
@@ -410,8 +430,12 @@ func (r *OverheadReport) WriteTable(w io.Writer) error {
 				float64(p.LoadP50)/1e6, p.RPS, p.Errors)
 			continue
 		}
+		t50, t99 := ms(p.AddedStreamP50), ms(p.AddedStreamP99)
+		if p.NoStream {
+			t50, t99 = "-", "-"
+		}
 		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %.2f ms | %.0f | %.2fx | %s | %d |\n", p.Name,
-			ms(p.AddedSmallP50), ms(p.AddedSmallP99), ms(p.AddedStreamP50), ms(p.AddedStreamP99),
+			ms(p.AddedSmallP50), ms(p.AddedSmallP99), t50, t99,
 			float64(p.LoadP50)/1e6, p.RPS, p.RPSRatio, cpu, p.Errors)
 	}
 	for _, f := range r.Profiles {
@@ -472,7 +496,7 @@ func (t *target) do(ctx context.Context, stream bool) (time.Duration, error) {
 
 func (t *target) warm(ctx context.Context, n int) error {
 	for i := 0; i < n; i++ {
-		if _, err := t.do(ctx, i%2 == 1); err != nil {
+		if _, err := t.do(ctx, i%2 == 1 && !t.noStream); err != nil {
 			return err
 		}
 	}
@@ -738,10 +762,14 @@ func startFRP(ctx context.Context, frps, frpc, dir string, enginePort int) ([]*t
 	if err != nil {
 		return nil, nil, err
 	}
+	vhostPort, err := freePort("tcp")
+	if err != nil {
+		return nil, nil, err
+	}
 	const token = "computeflux-bench"
 	srvConf := filepath.Join(dir, "frps.toml")
-	if err := os.WriteFile(srvConf, fmt.Appendf(nil, "bindAddr = \"127.0.0.1\"\nbindPort = %d\nquicBindPort = %d\nproxyBindAddr = \"127.0.0.1\"\nauth.token = %q\nlog.level = \"warn\"\n",
-		bindPort, quicPort, token), 0o600); err != nil {
+	if err := os.WriteFile(srvConf, fmt.Appendf(nil, "bindAddr = \"127.0.0.1\"\nbindPort = %d\nquicBindPort = %d\nvhostHTTPPort = %d\nproxyBindAddr = \"127.0.0.1\"\nauth.token = %q\nlog.level = \"warn\"\n",
+		bindPort, quicPort, vhostPort, token), 0o600); err != nil {
 		return nil, nil, err
 	}
 	s, err := startProc(ctx, "frps", dir, nil, frps, "-c", srvConf)
@@ -753,7 +781,12 @@ func startFRP(ctx context.Context, frps, frpc, dir string, enginePort int) ([]*t
 		return nil, procs, err
 	}
 	var targets []*target
-	for _, tr := range []struct{ name, proto string }{{"frp-tcp", "tcp"}, {"frp-quic", "quic"}} {
+	// frp-tcp and frp-quic are frp's tcp proxy (frps copies bytes; frpc
+	// too) over each transport; frp-http is its http proxy, where frps
+	// serves HTTP (Go's net/http and httputil.ReverseProxy) and routes by
+	// Host: one HTTP hop, the nearest of frp's modes to a relay that must
+	// read each request to route it.
+	for _, tr := range []struct{ name, proto, kind string }{{"frp-tcp", "tcp", "tcp"}, {"frp-quic", "quic", "tcp"}, {"frp-http", "tcp", "http"}} {
 		remote, err := freePort("tcp")
 		if err != nil {
 			return nil, procs, err
@@ -762,9 +795,14 @@ func startFRP(ctx context.Context, frps, frpc, dir string, enginePort int) ([]*t
 		if tr.proto == "quic" {
 			port = quicPort
 		}
+		proxy := fmt.Sprintf("type = \"tcp\"\nremotePort = %d\n", remote)
+		if tr.kind == "http" {
+			remote = vhostPort
+			proxy = "type = \"http\"\ncustomDomains = [\"127.0.0.1\"]\n"
+		}
 		conf := filepath.Join(dir, tr.name+".toml")
-		if err := os.WriteFile(conf, fmt.Appendf(nil, "serverAddr = \"127.0.0.1\"\nserverPort = %d\nauth.token = %q\nlog.level = \"warn\"\nloginFailExit = false\ntransport.protocol = %q\n\n[[proxies]]\nname = %q\ntype = \"tcp\"\nlocalIP = \"127.0.0.1\"\nlocalPort = %d\nremotePort = %d\n",
-			port, token, tr.proto, tr.name, enginePort, remote), 0o600); err != nil {
+		if err := os.WriteFile(conf, fmt.Appendf(nil, "serverAddr = \"127.0.0.1\"\nserverPort = %d\nauth.token = %q\nlog.level = \"warn\"\nloginFailExit = false\ntransport.protocol = %q\n\n[[proxies]]\nname = %q\n%slocalIP = \"127.0.0.1\"\nlocalPort = %d\n",
+			port, token, tr.proto, tr.name, proxy, enginePort), 0o600); err != nil {
 			return nil, procs, err
 		}
 		c, err := startProc(ctx, tr.name+"-frpc", dir, nil, frpc, "-c", conf)
@@ -785,6 +823,54 @@ func startFRP(ctx context.Context, frps, frpc, dir string, enginePort int) ([]*t
 		t.procs[1].name = "frpc"
 	}
 	return targets, procs, nil
+}
+
+// ServeReverseProxy serves Go's httputil.ReverseProxy in front of upstream
+// on addr until ctx ends: one HTTP hop in stock Go (net/http parses the
+// request, http.Transport sends it on a pooled connection), the least an
+// HTTP-reading relay costs before any routing, auth or second hop.
+func ServeReverseProxy(ctx context.Context, addr, upstream string) error {
+	u, err := url.Parse(upstream)
+	if err != nil || u.Scheme != "http" || u.Host == "" {
+		return fmt.Errorf("--upstream %q: want an http:// URL", upstream)
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	rp := httputil.NewSingleHostReverseProxy(u)
+	rp.Transport = &http.Transport{MaxIdleConnsPerHost: 2 * maxClients, DisableCompression: true}
+	srv := &http.Server{Handler: rp, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		<-ctx.Done()
+		_ = srv.Close()
+	}()
+	if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+// startReverseProxy runs ServeReverseProxy as a process of cfg.Binary.
+func startReverseProxy(ctx context.Context, cfg OverheadConfig, dir, engineURL string) (*target, *proc, error) {
+	port, err := freePort("tcp")
+	if err != nil {
+		return nil, nil, err
+	}
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	p, err := startProc(ctx, "go-reverse-proxy", dir, nil, cfg.Binary, "bench", "--overhead",
+		"--serve-reverse-proxy", addr, "--upstream", engineURL)
+	if err != nil {
+		return nil, nil, err
+	}
+	// Streams are left out: httputil.ReverseProxy over http.Transport cut
+	// 1-2% of the stub's event streams here ("use of closed network
+	// connection" on its upstream read), which would time the failures.
+	t := &target{name: "go-reverse-proxy", url: "http://" + addr, procs: []*proc{p}, noStream: true}
+	if err := waitReady(ctx, t.url+"/v1/models", `"m1"`, t.procs); err != nil {
+		return nil, p, err
+	}
+	return t, p, nil
 }
 
 // startComputeflux starts a relay and one agent in front of the engine, as

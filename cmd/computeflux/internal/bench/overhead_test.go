@@ -95,10 +95,13 @@ func TestRunOverheadEndToEnd(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(rep.Paths) != 2 || rep.Paths[1].Name != "computeflux" {
+	if len(rep.Paths) != 3 || rep.Paths[1].Name != "go-reverse-proxy" || rep.Paths[2].Name != "computeflux" {
 		t.Fatalf("paths %+v", rep.Paths)
 	}
-	cf := rep.Paths[1]
+	if gp := rep.Paths[1]; gp.Errors != 0 || gp.RPS <= 0 || !gp.NoStream || len(gp.CPUPerRequest) != 1 {
+		t.Fatalf("go-reverse-proxy path: %+v", gp)
+	}
+	cf := rep.Paths[2]
 	if cf.Errors != 0 || cf.RPS <= 0 || len(cf.CPUPerRequest) != 2 {
 		t.Fatalf("computeflux path: %+v", cf)
 	}
@@ -106,7 +109,7 @@ func TestRunOverheadEndToEnd(t *testing.T) {
 	if err := rep.WriteTable(&b); err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(b.String(), "| computeflux |") {
+	if !strings.Contains(b.String(), "| computeflux |") || !strings.Contains(b.String(), "| go-reverse-proxy |") {
 		t.Fatalf("table:\n%s", b.String())
 	}
 }

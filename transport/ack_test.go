@@ -1,0 +1,145 @@
+package transport
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptrace"
+	"net/textproto"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// ackRequest sends one request to srv's handler and reports whether the
+// AckStatus came before the response, with the response's body.
+func ackRequest(t *testing.T, client *http.Client, url string) (acked bool, body string) {
+	t.Helper()
+	var got atomic.Bool
+	ctx := WithAck(context.Background(), func() { got.Store(true) })
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(`{"a":1}`))
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got.Load(), string(b)
+}
+
+func TestAckOnlyForSlowAnswers(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/slow" {
+			time.Sleep(5 * AckDelay)
+		}
+		w.Header().Set("Content-Type", "text/plain")
+		io.WriteString(w, "answer "+r.URL.Path)
+	}), cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	base := "http://" + srv.ID().String()
+
+	// A handler that answers within AckDelay sends no ack: the response
+	// head is the acknowledgement. Its timer is stopped with the head, so
+	// no ack can trail the answer into the next request on the stream.
+	fast := 0
+	for i := 0; i < 20; i++ {
+		acked, body := ackRequest(t, client, base+"/fast")
+		if body != "answer /fast" {
+			t.Fatalf("body %q", body)
+		}
+		if !acked {
+			fast++
+		}
+	}
+	// The machine may stall one request past AckDelay; not most of them.
+	if fast < 10 {
+		t.Fatalf("only %d of 20 immediate answers came without an ack", fast)
+	}
+	// A slow handler's request is acknowledged before its answer.
+	for i := 0; i < 3; i++ {
+		acked, body := ackRequest(t, client, base+"/slow")
+		if !acked || body != "answer /slow" {
+			t.Fatalf("slow request: acked %v, body %q", acked, body)
+		}
+	}
+}
+
+// TestAckWhileHandlerSetsHeaders runs the ack's timer against a handler that
+// is filling its header map and writing when it fires (run with -race).
+func TestAckWhileHandlerSetsHeaders(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		deadline := time.Now().Add(3 * AckDelay)
+		for i := 0; time.Now().Before(deadline); i++ {
+			w.Header().Set("X-Count", strings.Repeat("x", i%7+1))
+			w.Header().Add("X-List", "v")
+			w.Header().Del("X-List")
+		}
+		w.Header().Set("X-Done", "1")
+		w.WriteHeader(http.StatusAccepted)
+		io.WriteString(w, "done")
+		w.(http.Flusher).Flush()
+		w.Header().Set("X-After", "ignored") // after the head: not sent
+	}), cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	for i := 0; i < 3; i++ {
+		var got atomic.Bool
+		ctx := WithAck(context.Background(), func() { got.Store(true) })
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+srv.ID().String()+"/h", strings.NewReader("x"))
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusAccepted || string(b) != "done" || resp.Header.Get("X-Done") != "1" || resp.Header.Get("X-After") != "" {
+			t.Fatalf("got %d %q %v", resp.StatusCode, b, resp.Header)
+		}
+		if !got.Load() {
+			t.Fatal("no ack before a head written after 3 AckDelays")
+		}
+	}
+}
+
+// TestHandlerInformationalPassesThrough checks that a handler's own 1xx
+// (an engine's 103 Early Hints passed on) carries its header, and that the
+// header does not leak into the final answer.
+func TestHandlerInformationalPassesThrough(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Link", "</style.css>; rel=preload")
+		w.WriteHeader(http.StatusEarlyHints)
+		w.Header().Del("Link")
+		io.WriteString(w, "ok")
+	}), cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	var hints []string
+	ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{
+		Got1xxResponse: func(code int, h textproto.MIMEHeader) error {
+			hints = append(hints, fmt.Sprintf("%d %s", code, h.Get("Link")))
+			return nil
+		},
+	})
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+srv.ID().String()+"/x", nil)
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(b) != "ok" || resp.Header.Get("Link") != "" {
+		t.Fatalf("answer %q, header %v", b, resp.Header)
+	}
+	if len(hints) != 1 || hints[0] != "103 </style.css>; rel=preload" {
+		t.Fatalf("informational answers %q", hints)
+	}
+}
