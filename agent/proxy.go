@@ -59,9 +59,12 @@ func (b *bufferPool) put(buf *[]byte) { b.p.Put(buf) }
 // server-sent events flushed per write, the request context reaching the
 // engine (cancellation), an engine error as 502 engine_unreachable, and a
 // copy that fails after the head went out aborting the answer
-// (http.ErrAbortHandler) rather than ending it as if complete. The
-// connection pooling itself stays in the stock round tripper
-// (Config.UpstreamTransport).
+// (http.ErrAbortHandler) rather than ending it as if complete. Left out:
+// protocol upgrades (no servedPath needs one) and passing on an engine's
+// informational (1xx) answers, which needed a client trace per request and
+// which the relay ignores anyway (it reads only the stream server's own
+// acknowledgement, transport.WithAck). The connection pooling itself stays
+// in the stock round tripper (Config.UpstreamTransport).
 
 // forward sends r to the engine and copies its answer to w; st is the
 // request's prefix state (nil when not indexed).
