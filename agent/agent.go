@@ -181,7 +181,11 @@ type Agent struct {
 	key      crypto.PrivKey
 	id       peer.ID
 	client   *http.Client
-	proxy    http.Handler
+	// urls are the engine's URLs for servedPaths (shared, never changed).
+	urls map[string]*url.URL
+	// authValue is the Authorization header value sent to the engine (nil
+	// without Config.UpstreamAPIKey).
+	authValue []string
 
 	inflight atomic.Int64
 	nat      atomic.Pointer[transport.AgentNAT] // set by Run
@@ -257,7 +261,13 @@ func New(cfg Config) (*Agent, error) {
 	if !cfg.Index.Disabled {
 		a.index = newPrefixIndex(cfg.Index, a.log.With().Str("part", "prefix-index").Logger())
 	}
-	a.proxy = a.newProxy()
+	a.urls = make(map[string]*url.URL, len(servedPaths))
+	for p := range servedPaths {
+		a.urls[p] = joinUpstream(u, p)
+	}
+	if cfg.UpstreamAPIKey != "" {
+		a.authValue = []string{"Bearer " + cfg.UpstreamAPIKey}
+	}
 	return a, nil
 }
 

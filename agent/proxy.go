@@ -1,15 +1,15 @@
 package agent
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
-	"net/http/httputil"
-	"reflect"
+	"net/textproto"
+	"net/url"
 	"strconv"
+	"strings"
 	"sync"
 )
 
@@ -22,63 +22,250 @@ var servedPaths = map[string]string{
 	"/v1/models":           http.MethodGet,
 }
 
-// bufferedBodyType is the type of the request bodies transport.ServeHTTP
-// hands its handler: an io.NopCloser over a bytes.Reader.
-var bufferedBodyType = reflect.TypeOf(io.NopCloser(bytes.NewReader(nil)))
-
-// copyBuffers are ReverseProxy's response copy buffers, shared by all
-// agents of the process.
+// copyBuffers are the answer copy buffers, shared by all agents of the
+// process.
 var copyBuffers = &bufferPool{}
 
-// bufferPool is an httputil.BufferPool over a sync.Pool of 32 KiB buffers
-// (ReverseProxy's own size).
+// bufferPool is a sync.Pool of 32 KiB buffers (httputil.ReverseProxy's
+// size). Without it the agent allocated a 32 KiB buffer per request: under
+// load that was most of its allocation and its GC most of its CPU beyond
+// the network itself.
 type bufferPool struct{ p sync.Pool }
 
-// Get returns a 32 KiB buffer.
-func (b *bufferPool) Get() []byte {
+// get returns a 32 KiB buffer.
+func (b *bufferPool) get() *[]byte {
 	if v, ok := b.p.Get().(*[]byte); ok {
-		return *v
+		return v
 	}
-	return make([]byte, 32<<10)
+	buf := make([]byte, 32<<10)
+	return &buf
 }
 
-// Put returns a buffer from Get.
-func (b *bufferPool) Put(buf []byte) { b.p.Put(&buf) }
+// put returns a buffer from get.
+func (b *bufferPool) put(buf *[]byte) { b.p.Put(buf) }
 
-func (a *Agent) newProxy() http.Handler {
-	return &httputil.ReverseProxy{
-		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.SetURL(a.upstream)
-			pr.Out.URL.RawQuery = ""
-			a.authorize(pr.Out.Header)
-			if pr.In.ContentLength > 0 && reflect.TypeOf(pr.In.Body) == bufferedBodyType {
-				// ReverseProxy hides the body behind its own no-op Close
-				// wrapper, so net/http no longer sees that it is in
-				// memory and writes the request head and the body to the
-				// engine in two writes. The body buffered by
-				// transport.ServeHTTP has a no-op Close already: pass it
-				// as it is, and the request goes out in one.
-				pr.Out.Body = pr.In.Body
-			}
-		},
-		Transport: a.cfg.UpstreamTransport,
-		// Without a pool, ReverseProxy allocates a 32 KiB copy buffer per
-		// request: under load that was most of the agent's allocation and
-		// its GC most of the agent's CPU beyond the network itself.
-		BufferPool:     copyBuffers,
-		ModifyResponse: a.observeResponse, // prefix index (usage.go)
-		// Server-sent events are flushed per write by ReverseProxy itself
-		// (it recognises text/event-stream and unknown lengths).
-		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			if errors.Is(err, context.Canceled) || r.Context().Err() != nil {
-				// The relay went away; nobody reads an answer.
-				return
-			}
-			a.log.Warn().Err(err).Str("path", r.URL.Path).Msg("engine request failed")
-			a.kickRefresh() // is the engine down? then drain until it answers
-			writeError(w, http.StatusBadGateway, "engine_unreachable", "the agent could not reach its engine")
-		},
+// The forwarder is written here rather than taken from
+// httputil.ReverseProxy, which served until the per-request cost of the
+// relay path was measured (BenchmarkServeHTTP, pprof): the agent forwards
+// only the few endpoints of servedPaths to one engine, with a body already
+// in memory, so most of ReverseProxy's generality was cost on every
+// request: cloning the request and its header, a client trace and its
+// closures for 1xx answers, a second context, MIME parsing of every
+// Content-Type to decide on flushing, wrapping the body. About a third of
+// the agent's allocations per request went there. What the agent needs of
+// it is kept, and tested by the agent's tests: hop-by-hop headers dropped
+// both ways (RFC 9110 7.6.1, and those the Connection header names),
+// X-Forwarded-*/Forwarded not passed (as ReverseProxy with Rewrite),
+// server-sent events flushed per write, the request context reaching the
+// engine (cancellation), an engine error as 502 engine_unreachable, and a
+// copy that fails after the head went out aborting the answer
+// (http.ErrAbortHandler) rather than ending it as if complete. Left out:
+// protocol upgrades (no servedPath needs one) and passing on an engine's
+// informational (1xx) answers, which needed a client trace per request and
+// which the relay ignores anyway (it reads only the stream server's own
+// acknowledgement, transport.WithAck). The connection pooling itself stays
+// in the stock round tripper (Config.UpstreamTransport).
+
+// forward sends r to the engine and copies its answer to w; st is the
+// request's prefix state (nil when not indexed).
+func (a *Agent) forward(w http.ResponseWriter, r *http.Request, st *servedReq) {
+	ctx := r.Context()
+	out := (&http.Request{
+		Method:     r.Method,
+		URL:        a.upstreamURL(r.URL.Path),
+		Proto:      "HTTP/1.1",
+		ProtoMajor: 1,
+		ProtoMinor: 1,
+		Header:     a.outHeader(r.Header),
+		Host:       a.upstream.Host,
+	}).WithContext(ctx)
+	if r.ContentLength != 0 && r.Body != nil && r.Body != http.NoBody {
+		out.Body, out.ContentLength = r.Body, r.ContentLength
 	}
+	res, err := a.cfg.UpstreamTransport.RoundTrip(out)
+	if err == nil && res.StatusCode == http.StatusSwitchingProtocols {
+		// No Upgrade header is forwarded, so the engine has no business
+		// switching protocols.
+		res.Body.Close()
+		err = errors.New("agent: engine switched protocols unasked")
+	}
+	if err != nil {
+		if errors.Is(err, context.Canceled) || ctx.Err() != nil {
+			return // the relay went away; nobody reads an answer
+		}
+		a.log.Warn().Err(err).Str("path", r.URL.Path).Msg("engine request failed")
+		a.kickRefresh() // is the engine down? then drain until it answers
+		writeError(w, http.StatusBadGateway, "engine_unreachable", "the agent could not reach its engine")
+		return
+	}
+	a.observeResponse(res, st) // prefix index (usage.go)
+	removeHopHeaders(res.Header)
+	h := w.Header()
+	for k, vv := range res.Header {
+		if old := h[k]; old != nil {
+			h[k] = append(old, vv...)
+		} else {
+			h[k] = vv // res.Header is ours: share its values
+		}
+	}
+	// Server-sent events, and any answer of unknown length, are flushed
+	// per write (ReverseProxy's rule, without its MIME parse).
+	flush := res.ContentLength == -1 || isEventStream(res.Header.Get("Content-Type"))
+	w.WriteHeader(res.StatusCode)
+	if flush {
+		flushResponse(w)
+	}
+	err = copyAnswer(w, res.Body, flush)
+	res.Body.Close()
+	if err != nil {
+		if r.Context().Value(http.ServerContextKey) != nil {
+			// Abort the answer, so the relay sees it cut short.
+			panic(http.ErrAbortHandler)
+		}
+		return
+	}
+	for k, vv := range res.Trailer {
+		h[http.TrailerPrefix+k] = vv
+	}
+}
+
+// copyAnswer copies the engine's answer to w, flushing after every write
+// when flush is set. It returns the first read (other than io.EOF) or
+// write error.
+func copyAnswer(w http.ResponseWriter, body io.Reader, flush bool) error {
+	buf := copyBuffers.get()
+	defer copyBuffers.put(buf)
+	for {
+		n, rerr := body.Read(*buf)
+		if n > 0 {
+			if _, werr := w.Write((*buf)[:n]); werr != nil {
+				return werr
+			}
+			if flush {
+				flushResponse(w)
+			}
+		}
+		if rerr == io.EOF {
+			return nil
+		}
+		if rerr != nil {
+			return rerr
+		}
+	}
+}
+
+// flushResponse flushes w if it can.
+func flushResponse(w http.ResponseWriter) {
+	if f, ok := w.(http.Flusher); ok {
+		f.Flush()
+		return
+	}
+	_ = http.NewResponseController(w).Flush()
+}
+
+// hopHeader reports whether k (canonical) is a hop-by-hop header (RFC 9110
+// section 7.6.1, with httputil.ReverseProxy's list).
+func hopHeader(k string) bool {
+	switch k {
+	case "Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
+		"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade":
+		return true
+	}
+	return false
+}
+
+// removeHopHeaders drops h's hop-by-hop headers and those its Connection
+// header names.
+func removeHopHeaders(h http.Header) {
+	for _, f := range h["Connection"] {
+		for sf := range strings.SplitSeq(f, ",") {
+			if sf = textproto.TrimString(sf); sf != "" {
+				h.Del(sf)
+			}
+		}
+	}
+	for k := range h {
+		if hopHeader(k) {
+			delete(h, k)
+		}
+	}
+}
+
+// emptyUserAgent keeps net/http from sending its own User-Agent when the
+// request had none.
+var emptyUserAgent = []string{""}
+
+// outHeader returns the header for the engine: in's without hop-by-hop
+// headers, forwarding headers and credentials, with the engine's key. The
+// values are in's, shared, not copied: neither side changes them.
+func (a *Agent) outHeader(in http.Header) http.Header {
+	h := make(http.Header, len(in)+1)
+	for k, vv := range in {
+		switch {
+		case hopHeader(k), k == "Authorization", k == "Forwarded",
+			k == "X-Forwarded-For", k == "X-Forwarded-Host", k == "X-Forwarded-Proto":
+			continue
+		}
+		h[k] = vv
+	}
+	for _, f := range in["Connection"] {
+		for sf := range strings.SplitSeq(f, ",") {
+			if sf = textproto.TrimString(sf); sf != "" {
+				h.Del(sf)
+			}
+		}
+	}
+	for _, v := range in["Te"] {
+		if strings.EqualFold(textproto.TrimString(v), "trailers") {
+			h["Te"] = teTrailers // as ReverseProxy: the one Te that passes
+			break
+		}
+	}
+	if a.authValue != nil {
+		h["Authorization"] = a.authValue
+	}
+	if _, ok := h["User-Agent"]; !ok {
+		h["User-Agent"] = emptyUserAgent
+	}
+	return h
+}
+
+var teTrailers = []string{"trailers"}
+
+// upstreamURL returns the engine's URL for path (the upstream URL's path
+// joined with it, without query), from a table for servedPaths. The
+// returned URL is shared and must not be changed.
+func (a *Agent) upstreamURL(path string) *url.URL {
+	if u, ok := a.urls[path]; ok {
+		return u
+	}
+	return joinUpstream(a.upstream, path)
+}
+
+// joinUpstream returns upstream with path appended to its path, as
+// httputil.ProxyRequest.SetURL joins them (path has no escapes of its own:
+// ServeHTTP refuses a RawPath).
+func joinUpstream(upstream *url.URL, path string) *url.URL {
+	u := *upstream
+	u.RawQuery, u.Fragment, u.RawFragment, u.User = "", "", "", nil
+	u.Path = singleJoiningSlash(upstream.Path, path)
+	if upstream.RawPath != "" {
+		u.RawPath = singleJoiningSlash(upstream.EscapedPath(), (&url.URL{Path: path}).EscapedPath())
+	}
+	return &u
+}
+
+// singleJoiningSlash joins a and b with one slash between them
+// (httputil's rule).
+func singleJoiningSlash(a, b string) string {
+	aslash, bslash := strings.HasSuffix(a, "/"), strings.HasPrefix(b, "/")
+	switch {
+	case aslash && bslash:
+		return a + b[1:]
+	case !aslash && !bslash:
+		return a + "/" + b
+	}
+	return a + b
 }
 
 // ServeHTTP serves the relay's requests: the OpenAI endpoints listed in
@@ -110,10 +297,11 @@ func (a *Agent) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusTooManyRequests, "agent_busy", "this agent is at its concurrency limit of "+strconv.Itoa(max))
 		return
 	}
+	var st *servedReq
 	if method == http.MethodPost && r.URL.Path != "/v1/embeddings" {
-		r = a.indexRequest(r) // prefix index (usage.go)
+		st = a.indexRequest(r) // prefix index (usage.go)
 	}
-	a.proxy.ServeHTTP(w, r)
+	a.forward(w, r, st)
 }
 
 // writeError answers in OpenAI's error shape.

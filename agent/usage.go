@@ -2,11 +2,12 @@ package agent
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/computeflux/computeflux/scheduler"
@@ -23,47 +24,124 @@ const maxUsageEvent = 1 << 20
 // maxUsageJSON bounds the non-streamed answer kept to read its usage.
 const maxUsageJSON = 4 << 20
 
-// servedKey carries a request's prefix state from ServeHTTP to the
-// response hook.
-type servedKey struct{}
-
 // servedReq is one request's prefix state.
 type servedReq struct {
 	chain []uint64
 	// strip: the engine was asked for a usage chunk the client did not ask
 	// for; it is not passed on.
-	strip bool
+	strip  bool
+	body   usageBody    // the answer's reader, allocated with the request's state
+	reader bytes.Reader // the request body forwarded
 }
 
 // indexRequest reads r's body, hashes its prompt for the index and, for a
-// stream whose client did not ask for usage, asks the engine for it. It
-// returns the request to forward.
-func (a *Agent) indexRequest(r *http.Request) *http.Request {
+// stream whose client did not ask for usage, asks the engine for it: it
+// sets r's body to the one to forward and returns the request's prefix
+// state (nil when not indexed).
+func (a *Agent) indexRequest(r *http.Request) *servedReq {
 	if a.index == nil || r.Body == nil {
-		return r
+		return nil
 	}
-	body, err := io.ReadAll(io.LimitReader(r.Body, maxHashedBody+1))
+	body, err := readBody(r)
 	if err != nil || len(body) > maxHashedBody {
 		// Forward what was read and the rest as it comes, unhashed.
 		r.Body = struct {
 			io.Reader
 			io.Closer
 		}{io.MultiReader(bytes.NewReader(body), r.Body), r.Body}
-		return r
+		return nil
 	}
 	st := &servedReq{chain: scheduler.PromptBlocks(nil, body, a.index.cfg.Prefix)}
 	if out, ok := askUsage(body); ok {
 		body, st.strip = out, true
+		r.Header.Set("Content-Length", strconv.Itoa(len(body)))
 	}
-	r.Body = io.NopCloser(bytes.NewReader(body))
+	st.reader.Reset(body)
+	// io.NopCloser over a *bytes.Reader: net/http sees a body in memory and
+	// writes the request in one write.
+	r.Body = io.NopCloser(&st.reader)
 	r.ContentLength = int64(len(body))
-	r.Header.Set("Content-Length", strconv.Itoa(len(body)))
-	return r.WithContext(context.WithValue(r.Context(), servedKey{}, st))
+	return st
+}
+
+// readBody reads r's body, up to maxHashedBody+1 bytes: in one read of its
+// Content-Length when that is known (transport.ServeHTTP has it in memory),
+// else as it comes.
+func readBody(r *http.Request) ([]byte, error) {
+	if n := r.ContentLength; n >= 0 && n <= maxHashedBody {
+		body := make([]byte, n)
+		k, err := io.ReadFull(r.Body, body)
+		if err == io.ErrUnexpectedEOF {
+			err = nil // shorter than announced: what there is
+		}
+		return body[:k], err
+	}
+	return io.ReadAll(io.LimitReader(r.Body, maxHashedBody+1))
 }
 
 // askUsage returns body with stream_options.include_usage set, when body is
-// a streamed request that does not ask for usage already.
+// a streamed request that does not ask for usage already. It decides as
+// askUsageJSON does (encoding/json's reading of the body: keys matched
+// case-insensitively, the last duplicate wins, malformed JSON rewrites
+// nothing) from one allocation-free scan of the top-level keys; only a body
+// it is about to rewrite is checked with json.Valid, and anything unusual
+// (escaped or non-ASCII keys, stream_options present, a scan that fails)
+// goes to askUsageJSON itself. Decoding every POST body with json.Unmarshal
+// just to read two keys was a few percent of the agent's CPU.
 func askUsage(body []byte) ([]byte, bool) {
+	var stream, opts []byte
+	plain := true
+	if !scheduler.ScanObject(body, func(k, v []byte) {
+		switch {
+		case !plainKey(k):
+			plain = false
+		case asciiEqualFold(k, "stream"):
+			stream = v
+		case asciiEqualFold(k, "stream_options"):
+			opts = v
+		}
+	}) || !plain {
+		return askUsageJSON(body)
+	}
+	if string(stream) != "true" {
+		return nil, false
+	}
+	if opts != nil {
+		// A client that asked for usage itself (map keys match exactly,
+		// escapes decoded: a key with escapes is left to encoding/json).
+		var inc []byte
+		exact := true
+		if scheduler.ScanObject(opts, func(k, v []byte) {
+			if bytes.IndexByte(k, '\\') >= 0 {
+				exact = false
+			} else if string(k) == "include_usage" {
+				inc = v
+			}
+		}) && exact && string(inc) == "true" {
+			return nil, false
+		}
+		return askUsageJSON(body)
+	}
+	if !json.Valid(body) {
+		return nil, false
+	}
+	return insertUsageOption(body), true
+}
+
+// insertUsageOption returns the object body with
+// "stream_options":{"include_usage":true} as its first key, the rest byte
+// for byte.
+func insertUsageOption(body []byte) []byte {
+	i := bytes.IndexByte(body, '{')
+	out := make([]byte, 0, len(body)+48)
+	out = append(out, body[:i+1]...)
+	out = append(out, `"stream_options":{"include_usage":true},`...)
+	return append(out, body[i+1:]...)
+}
+
+// askUsageJSON is askUsage with encoding/json: the reference it keeps to,
+// and its path for the bodies its scan does not decide.
+func askUsageJSON(body []byte) ([]byte, bool) {
 	var f struct {
 		Stream        json.RawMessage `json:"stream"`
 		StreamOptions json.RawMessage `json:"stream_options"`
@@ -82,11 +160,7 @@ func askUsage(body []byte) ([]byte, bool) {
 	}
 	if len(f.StreamOptions) == 0 {
 		// The common case: insert the option, leave the rest byte for byte.
-		i := bytes.IndexByte(body, '{')
-		out := make([]byte, 0, len(body)+48)
-		out = append(out, body[:i+1]...)
-		out = append(out, `"stream_options":{"include_usage":true},`...)
-		return append(out, body[i+1:]...), true
+		return insertUsageOption(body), true
 	}
 	if opts == nil {
 		opts = make(map[string]json.RawMessage, 1)
@@ -108,34 +182,60 @@ func askUsage(body []byte) ([]byte, bool) {
 	return out, true
 }
 
-// observeResponse is the proxy's response hook: a successful answer to an
-// indexed request puts its prompt in the index and, once the body has been
-// read, corrects the index from the answer's usage.
-func (a *Agent) observeResponse(resp *http.Response) error {
-	st, _ := resp.Request.Context().Value(servedKey{}).(*servedReq)
-	if st == nil || a.index == nil || resp.StatusCode/100 != 2 {
-		return nil
-	}
-	a.index.served(st.chain)
-	ub := &usageBody{
-		rc:    resp.Body,
-		sse:   bytes.HasPrefix([]byte(resp.Header.Get("Content-Type")), []byte("text/event-stream")),
-		strip: st.strip,
-	}
-	ub.done = func(u usage) {
-		if u.seen {
-			a.index.answered(st.chain, u.prompt, u.cached)
+// plainKey reports whether a JSON key has no escapes and only ASCII bytes,
+// so that asciiEqualFold matches it as encoding/json would.
+func plainKey(k []byte) bool {
+	for _, c := range k {
+		if c == '\\' || c >= 0x80 {
+			return false
 		}
 	}
-	if !ub.sse {
-		ub.strip = false
+	return true
+}
+
+// asciiEqualFold reports whether k equals the lower-case ASCII name s
+// regardless of case.
+func asciiEqualFold(k []byte, s string) bool {
+	if len(k) != len(s) {
+		return false
 	}
+	for i := range len(k) {
+		c := k[i]
+		if 'A' <= c && c <= 'Z' {
+			c += 'a' - 'A'
+		}
+		if c != s[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// observeResponse wraps the body of a successful answer to an indexed
+// request: it puts the request's prompt in the index and, once the body
+// has been read, corrects the index from the answer's usage.
+func (a *Agent) observeResponse(resp *http.Response, st *servedReq) {
+	if st == nil || a.index == nil || resp.StatusCode/100 != 2 {
+		return
+	}
+	a.index.served(st.chain)
+	ub := &st.body
+	ub.rc = resp.Body
+	ub.index = a.index
+	ub.chain = st.chain
+	ub.sse = isEventStream(resp.Header.Get("Content-Type"))
+	ub.strip = st.strip && ub.sse
+	ub.length = resp.ContentLength
 	resp.Body = ub
 	if ub.strip {
 		resp.ContentLength = -1
 		resp.Header.Del("Content-Length")
 	}
-	return nil
+}
+
+// isEventStream reports whether a Content-Type is text/event-stream.
+func isEventStream(ct string) bool {
+	return strings.HasPrefix(ct, "text/event-stream")
 }
 
 // usage is what an answer said about its prompt.
@@ -166,36 +266,140 @@ func (f *usageFields) usage() usage {
 	return u
 }
 
+// readUsage reads an answer (or a stream chunk's data) as
+// json.Unmarshal into usageFields would: u is the top-level usage object's
+// prompt_tokens and prompt_tokens_details.cached_tokens (u.seen false
+// without a usage object); noChoices reports an empty or missing choices
+// array; ok is false for what is not a JSON object. It scans the keys
+// without allocating; anything its scan does not decide as encoding/json
+// would (escaped or non-ASCII keys, values of an unexpected type, a scan
+// that fails) goes to readUsageJSON. Unmarshalling every answer was most
+// of the agent's encoding/json time, and json.Valid alone still showed in
+// its profile: the scan checks the structure and the values it reads, not
+// every scalar, so an answer malformed only in some other scalar (`tru`)
+// still has its usage read, where encoding/json would refuse it. The usage
+// only corrects the prefix index's estimate, and the client gets the
+// engine's bytes as they are either way.
+func readUsage(data []byte) (u usage, noChoices, ok bool) {
+	var choices, usg []byte
+	plain := true
+	if !scheduler.ScanObject(data, func(k, v []byte) {
+		switch {
+		case !plainKey(k):
+			plain = false
+		case asciiEqualFold(k, "choices"):
+			choices = v
+		case asciiEqualFold(k, "usage"):
+			usg = v
+		}
+	}) || !plain {
+		return readUsageJSON(data)
+	}
+	switch {
+	case choices == nil || string(choices) == "null":
+		noChoices = true
+	case choices[0] == '[':
+		noChoices = len(bytes.TrimSpace(choices[1:len(choices)-1])) == 0
+	default:
+		return readUsageJSON(data) // a type error
+	}
+	if usg == nil || string(usg) == "null" {
+		return usage{}, noChoices, true
+	}
+	if usg[0] != '{' {
+		return readUsageJSON(data)
+	}
+	var prompt, details []byte
+	plain = scheduler.ScanObject(usg, func(k, v []byte) {
+		switch {
+		case !plainKey(k):
+			plain = false
+		case asciiEqualFold(k, "prompt_tokens"):
+			prompt = v
+		case asciiEqualFold(k, "prompt_tokens_details"):
+			details = v
+		}
+	}) && plain
+	u.seen = true
+	var cached []byte
+	if plain && details != nil && string(details) != "null" {
+		if details[0] != '{' {
+			return readUsageJSON(data)
+		}
+		plain = scheduler.ScanObject(details, func(k, v []byte) {
+			switch {
+			case !plainKey(k):
+				plain = false
+			case asciiEqualFold(k, "cached_tokens"):
+				cached = v
+			}
+		}) && plain
+	}
+	var okP, okC bool
+	u.prompt, okP = jsonInt(prompt)
+	u.cached, okC = jsonInt(cached)
+	if !plain || !okP || !okC {
+		return readUsageJSON(data)
+	}
+	return u, noChoices, true
+}
+
+// jsonInt reads a JSON value into an int as encoding/json would, for the
+// plain cases: absent or null is 0, a decimal integer its value; anything
+// else reports false.
+func jsonInt(v []byte) (int, bool) {
+	if v == nil || string(v) == "null" {
+		return 0, true
+	}
+	n, err := strconv.ParseInt(string(v), 10, 0)
+	return int(n), err == nil
+}
+
+// readUsageJSON is readUsage with encoding/json: the reference it keeps
+// to, and its path for what its scan does not decide.
+func readUsageJSON(data []byte) (u usage, noChoices, ok bool) {
+	var f usageFields
+	if json.Unmarshal(data, &f) != nil {
+		return usage{}, false, false
+	}
+	return f.usage(), len(f.Choices) == 0, true
+}
+
+// keptBuffers hold non-streamed answers while their usage is read; only
+// buffers up to maxPooledKept go back.
+var keptBuffers sync.Pool
+
+const maxPooledKept = 64 << 10
+
 // usageBody passes an engine's answer on while reading its usage: for a
 // non-streamed answer from the JSON at its end, for a stream from the
 // usage chunk, which it drops when strip is set (the client did not ask for
-// it). Events are cut at blank lines ("\n\n").
+// it). Events are cut at blank lines ("\n\n"). When the answer has been
+// read to its end, its usage (if any) corrects index for chain.
 type usageBody struct {
-	rc    io.ReadCloser
-	sse   bool
-	strip bool
-	done  func(usage)
+	rc     io.ReadCloser
+	sse    bool
+	strip  bool
+	index  *prefixIndex // nil: the usage is only read (u)
+	chain  []uint64
+	length int64 // the answer's Content-Length, -1 when unknown
 
 	in     []byte // stream bytes not yet cut into events
 	out    []byte // bytes ready for the reader
 	outPos int
-	rbuf   []byte
-	err    error // the upstream's read error, once seen
-	kept   []byte
-	over   bool // the JSON answer was larger than maxUsageJSON
+	rbuf   *[]byte // from copyBuffers
+	err    error   // the upstream's read error, once seen
+	kept   *[]byte // from keptBuffers
+	over   bool    // the JSON answer was larger than maxUsageJSON
 	u      usage
-	once   sync.Once
+	done   bool // the usage was reported (or the answer cut short)
 }
 
 func (b *usageBody) Read(p []byte) (int, error) {
 	if !b.sse {
 		n, err := b.rc.Read(p)
-		if !b.over {
-			if len(b.kept)+n > maxUsageJSON {
-				b.over, b.kept = true, nil
-			} else {
-				b.kept = append(b.kept, p[:n]...)
-			}
+		if !b.over && !b.done {
+			b.keep(p[:n])
 		}
 		if err == io.EOF {
 			b.finish()
@@ -216,10 +420,10 @@ func (b *usageBody) Read(p []byte) (int, error) {
 		}
 		b.out, b.outPos = b.out[:0], 0
 		if b.rbuf == nil {
-			b.rbuf = make([]byte, 32<<10)
+			b.rbuf = copyBuffers.get()
 		}
-		n, err := b.rc.Read(b.rbuf)
-		b.in = append(b.in, b.rbuf[:n]...)
+		n, err := b.rc.Read(*b.rbuf)
+		b.in = append(b.in, (*b.rbuf)[:n]...)
 		b.cut()
 		if err != nil {
 			b.out = append(b.out, b.in...)
@@ -230,6 +434,27 @@ func (b *usageBody) Read(p []byte) (int, error) {
 			b.in = b.in[:0]
 		}
 	}
+}
+
+// keep appends p to the answer kept for its usage, in a pooled buffer
+// sized from the Content-Length when it is known.
+func (b *usageBody) keep(p []byte) {
+	if b.kept == nil {
+		if v, ok := keptBuffers.Get().(*[]byte); ok {
+			b.kept = v
+		} else {
+			b.kept = new([]byte)
+		}
+		if b.length > int64(cap(*b.kept)) && b.length <= maxUsageJSON {
+			*b.kept = make([]byte, 0, b.length)
+		}
+	}
+	if len(*b.kept)+len(p) > maxUsageJSON {
+		b.over = true
+		b.release()
+		return
+	}
+	*b.kept = append(*b.kept, p...)
 }
 
 // cut moves the complete events of b.in to b.out, reading (and maybe
@@ -263,29 +488,57 @@ func (b *usageBody) usageOnly(ev []byte) bool {
 			data = append(data, bytes.TrimSpace(d)...)
 		}
 	}
-	var f usageFields
-	if json.Unmarshal(data, &f) != nil || f.Usage == nil {
+	u, noChoices, ok := readUsage(data)
+	if !ok || !u.seen {
 		return false
 	}
-	b.u = f.usage()
-	return len(f.Choices) == 0
+	b.u = u
+	return noChoices
 }
 
+// finish reads the usage of a non-streamed answer and reports it, once.
 func (b *usageBody) finish() {
-	b.once.Do(func() {
-		if !b.sse && !b.over {
-			var f usageFields
-			if json.Unmarshal(b.kept, &f) == nil {
-				b.u = f.usage()
-			}
-			b.kept = nil
+	if b.done {
+		return
+	}
+	if !b.sse && !b.over {
+		var kept []byte
+		if b.kept != nil {
+			kept = *b.kept
 		}
-		b.done(b.u)
-	})
+		if u, _, ok := readUsage(kept); ok {
+			b.u = u
+		}
+	}
+	b.done = true
+	b.release()
+	if b.index != nil && b.u.seen {
+		b.index.answered(b.chain, b.u.prompt, b.u.cached)
+	}
+}
+
+// release returns the pooled buffers.
+func (b *usageBody) release() {
+	if b.kept != nil {
+		if cap(*b.kept) <= maxPooledKept {
+			*b.kept = (*b.kept)[:0]
+			keptBuffers.Put(b.kept)
+		}
+		b.kept = nil
+	}
+	if b.rbuf != nil && b.err != nil {
+		// Read has returned the upstream's error: it reads no more.
+		copyBuffers.put(b.rbuf)
+		b.rbuf = nil
+	}
 }
 
 // Close closes the engine's body; an answer cut short corrects nothing.
 func (b *usageBody) Close() error {
-	b.once.Do(func() { b.done(usage{}) })
+	b.done = true
+	b.err = errBodyClosed
+	b.release()
 	return b.rc.Close()
 }
+
+var errBodyClosed = errors.New("agent: answer body closed")

@@ -185,12 +185,12 @@ func TestUsageBodyEventsAcrossReads(t *testing.T) {
 		"data: [DONE]\n\n"
 	for _, strip := range []bool{false, true} {
 		for step := 1; step <= 7; step += 3 {
-			var got usage
-			b := &usageBody{rc: io.NopCloser(&trickle{s: stream, n: step}), sse: true, strip: strip, done: func(u usage) { got = u }}
+			b := &usageBody{rc: io.NopCloser(&trickle{s: stream, n: step}), sse: true, strip: strip}
 			out, err := io.ReadAll(b)
 			if err != nil {
 				t.Fatal(err)
 			}
+			got := b.u
 			if !got.seen || got.prompt != 10 || got.cached != 7 {
 				t.Fatalf("step %d: usage %+v", step, got)
 			}
@@ -266,7 +266,7 @@ func FuzzUsageBody(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte, step int) {
 		step = max(1, step%64+1)
 		for _, strip := range []bool{false, true} {
-			b := &usageBody{rc: io.NopCloser(&trickle{s: string(data), n: step}), sse: true, strip: strip, done: func(usage) {}}
+			b := &usageBody{rc: io.NopCloser(&trickle{s: string(data), n: step}), sse: true, strip: strip}
 			out, err := io.ReadAll(b)
 			if err != nil {
 				t.Fatal(err)
@@ -305,4 +305,81 @@ func TestIndexCalibratesBytesPerToken(t *testing.T) {
 	if got := x.stats().Capacity; got < 1900 || got > 2100 {
 		t.Fatalf("capacity %d blocks after calibration, want about 2,000", got)
 	}
+}
+
+// usageScanSeeds are answers, chunks and requests for the scans' tests:
+// the usual shapes and the corners where a scan could part from
+// encoding/json (case, duplicates, escapes, types, nesting).
+var usageScanSeeds = []string{
+	benchReply,
+	`{"choices":[],"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":7}}}`,
+	`{"choices":[ ],"usage":{"prompt_tokens":10,"prompt_tokens_details":null}}`,
+	`{"choices":[{}],"usage":null}`,
+	`{"Usage":{"Prompt_Tokens":3},"CHOICES":null}`,
+	`{"usage":{"prompt_tokens":1},"usage":{"prompt_tokens":2}}`,
+	`{"us\u0061ge":{"prompt_tokens":5}}`,
+	`{"usage":{"prompt_tokens":1.5}}`,
+	`{"usage":{"prompt_tokens":"1"}}`,
+	`{"usage":{"prompt_tokens":-0,"prompt_tokens_details":{"cached_tokens":1e2}}}`,
+	`{"usage":[1]}`,
+	`{"choices":{},"usage":{"prompt_tokens":1}}`,
+	`{"ſtream":true}`,
+	`{"model":"m","stream":true,"messages":[]}`,
+	`{"model":"m","STREAM":true}`,
+	`{"stream":true,"stream":false}`,
+	`{"stream":false,"stream":true}`,
+	`{"stream":true,"stream_options":null}`,
+	`{"stream":true,"stream_options":{"include_usage":true}}`,
+	`{"stream":true,"stream_options":{"Include_Usage":true}}`,
+	`{"stream":true,"stream_options":{"include_usage":true,"include_usage":false}}`,
+	`{"stream":true,"stream_options":{"include\u005fusage":true}}`,
+	`{"stream":true,"stream_options":{"continuous_usage_stats":true}}`,
+	`{"stream":true,"x":[` + strings.Repeat("[", 300) + strings.Repeat("]", 300) + `]}`,
+	`{"stream":true,"x":"\"}"}`,
+	`{"stream":true,}`,
+	`{"stream":true`,
+	`{"usage":{"prompt_tokens":5},"x":tru}`,
+	`{"usage":{"prompt_tokens":5},"x":"\q"}`,
+	` {"stream" : true } `,
+	`[]`,
+	``,
+}
+
+// TestScansMatchEncodingJSON: askUsage and readUsage decide as their
+// encoding/json references on the seeds.
+func TestScansMatchEncodingJSON(t *testing.T) {
+	for _, s := range usageScanSeeds {
+		checkScans(t, []byte(s))
+	}
+	if u, none, ok := readUsage([]byte(`{"choices":[],"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":7}}}`)); !ok || !none || u != (usage{seen: true, prompt: 10, cached: 7}) {
+		t.Fatalf("readUsage: %+v %v %v", u, none, ok)
+	}
+}
+
+func checkScans(t *testing.T, data []byte) {
+	t.Helper()
+	gotB, gotOK := askUsage(data)
+	wantB, wantOK := askUsageJSON(data)
+	if gotOK != wantOK || !bytes.Equal(gotB, wantB) {
+		t.Fatalf("askUsage(%q) = %q, %v; encoding/json: %q, %v", data, gotB, gotOK, wantB, wantOK)
+	}
+	u, none, ok := readUsage(data)
+	wu, wnone, wok := readUsageJSON(data)
+	if wok && (!ok || u != wu || none != wnone) {
+		t.Fatalf("readUsage(%q) = %+v %v %v; encoding/json: %+v %v %v", data, u, none, ok, wu, wnone, wok)
+	}
+	// The scan checks structure, not every scalar: JSON it reads that
+	// encoding/json refuses must at least have an object's shape.
+	if !wok && ok && !scheduler.ScanObject(data, func(_, _ []byte) {}) {
+		t.Fatalf("readUsage(%q) = %+v %v %v; encoding/json: %+v %v %v", data, u, none, ok, wu, wnone, wok)
+	}
+}
+
+// FuzzUsageScans: the allocation-free scans decide as encoding/json on
+// any input.
+func FuzzUsageScans(f *testing.F) {
+	for _, s := range usageScanSeeds {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(checkScans)
 }

@@ -467,6 +467,13 @@ func skipString(b []byte, i int) (int, bool) {
 	}
 }
 
+// ScanObject calls f with each top-level key (without quotes, escapes
+// kept) and raw value of the JSON object b, in order, and reports whether b
+// has an object's shape (surrounding space allowed). It allocates nothing
+// and checks structure only: a true result does not mean json.Valid(b), and
+// nesting deeper than 256 levels reports false. Values alias b.
+func ScanObject(b []byte, f func(key, val []byte)) bool { return scanObject(b, f) }
+
 // scanObject calls f with each key (without quotes, escapes kept) and
 // value of the JSON object b (surrounding space allowed) and reports
 // whether b is a well-formed object.
