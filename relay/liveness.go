@@ -5,7 +5,8 @@ package relay
 // request travels on, independent of the engine's speed:
 //
 //   - The acknowledgement: the agent answers every request with
-//     transport.AckStatus as soon as it has read its header. No ack within
+//     transport.AckStatus transport.AckDelay after its header, or with the
+//     response head if that comes first. No ack within
 //     ackTimeout (a few round trip times) is a connection failure: the
 //     attempt, not yet committed, is retried on another agent, and the
 //     agent is suspect at once (avoided by the scheduler).
