@@ -708,7 +708,7 @@ func (a *Agent) scrapeMetrics(ctx context.Context) (EngineMetrics, error) {
 		return EngineMetrics{}, err
 	}
 	defer body.Close()
-	return ParseEngineMetrics(io.LimitReader(body, 16<<20))
+	return ParseEngineMetrics(io.LimitReader(body, maxMetricsBody))
 }
 
 func (a *Agent) authorize(h http.Header) {

@@ -55,6 +55,11 @@ var optionalAPIs = []string{"/v1/responses", "/v1/messages"}
 // maxProbeBody bounds what the agent reads of one identification answer.
 const maxProbeBody = 4 << 20
 
+// maxMetricsBody bounds what the agent reads of an engine's /metrics, at
+// identification and at every load scrape alike (a vLLM with many models and
+// histograms can pass 4 MiB).
+const maxMetricsBody = 16 << 20
+
 // engineProber asks an engine about itself.
 type engineProber struct {
 	client    *http.Client
@@ -68,6 +73,10 @@ func (p *engineProber) get(ctx context.Context, path string) ([]byte, bool) {
 }
 
 func (p *engineProber) do(ctx context.Context, method, path string, body []byte) ([]byte, bool) {
+	limit := int64(maxProbeBody)
+	if path == "/metrics" {
+		limit = maxMetricsBody
+	}
 	var rd io.Reader
 	if body != nil {
 		rd = bytes.NewReader(body)
@@ -85,7 +94,7 @@ func (p *engineProber) do(ctx context.Context, method, path string, body []byte)
 		return nil, false
 	}
 	defer resp.Body.Close()
-	b, err := io.ReadAll(io.LimitReader(resp.Body, maxProbeBody))
+	b, err := io.ReadAll(io.LimitReader(resp.Body, limit))
 	if err != nil {
 		return nil, false
 	}
@@ -100,13 +109,13 @@ func (p *engineProber) do(ctx context.Context, method, path string, body []byte)
 // identify recognises the engine from its own endpoints: the metric family
 // of /metrics first, then each engine's identity endpoint; ownedBy is the
 // owned_by of its /v1/models entries. load is that /metrics read as load
-// figures (load.Engine empty when it had none, or was cut at maxProbeBody):
+// figures (load.Engine empty when it had none, or was cut at maxMetricsBody):
 // the first load scrape after identification uses it instead of a second GET.
 func (p *engineProber) identify(ctx context.Context, ownedBy string) (info EngineInfo, load EngineMetrics) {
 	var met EngineMetrics
 	if b, ok := p.get(ctx, "/metrics"); ok {
 		met, _ = ParseEngineMetrics(bytes.NewReader(b))
-		if len(b) < maxProbeBody {
+		if len(b) < maxMetricsBody {
 			load = met
 		}
 	}

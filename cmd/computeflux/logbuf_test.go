@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -174,5 +175,34 @@ func TestLogsFlushedOnSIGTERM(t *testing.T) {
 	i1, il, i2 := strings.Index(got, "request 1"), strings.Index(got, "lifecycle"), strings.Index(got, "request 2")
 	if i1 < 0 || il < 0 || i2 < 0 || !(i1 < il && il < i2) {
 		t.Fatalf("log after SIGTERM, want request 1, lifecycle, request 2 in order:\n%s", got)
+	}
+}
+
+// TestIsTerminal: /dev/null, a character device nobody reads, a file and a
+// pipe are not terminals, so --log-format auto writes JSON to them.
+func TestIsTerminal(t *testing.T) {
+	null, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
+	if err != nil {
+		t.Skip(err)
+	}
+	defer null.Close()
+	file, err := os.Create(filepath.Join(t.TempDir(), "log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer file.Close()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	defer w.Close()
+	for name, f := range map[string]*os.File{"/dev/null": null, "file": file, "pipe": w} {
+		if isTerminal(f) {
+			t.Errorf("%s taken for a terminal", name)
+		}
+	}
+	if isTerminal(&bytes.Buffer{}) {
+		t.Error("a buffer taken for a terminal")
 	}
 }
