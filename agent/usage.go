@@ -93,11 +93,11 @@ func askUsage(body []byte) ([]byte, bool) {
 	plain := true
 	if !scheduler.ScanObject(body, func(k, v []byte) {
 		switch {
-		case !plainKey(k):
+		case !scheduler.PlainKey(k):
 			plain = false
-		case asciiEqualFold(k, "stream"):
+		case scheduler.KeyEqualFold(k, "stream"):
 			stream = v
-		case asciiEqualFold(k, "stream_options"):
+		case scheduler.KeyEqualFold(k, "stream_options"):
 			opts = v
 		}
 	}) || !plain {
@@ -182,35 +182,6 @@ func askUsageJSON(body []byte) ([]byte, bool) {
 	return out, true
 }
 
-// plainKey reports whether a JSON key has no escapes and only ASCII bytes,
-// so that asciiEqualFold matches it as encoding/json would.
-func plainKey(k []byte) bool {
-	for _, c := range k {
-		if c == '\\' || c >= 0x80 {
-			return false
-		}
-	}
-	return true
-}
-
-// asciiEqualFold reports whether k equals the lower-case ASCII name s
-// regardless of case.
-func asciiEqualFold(k []byte, s string) bool {
-	if len(k) != len(s) {
-		return false
-	}
-	for i := range len(k) {
-		c := k[i]
-		if 'A' <= c && c <= 'Z' {
-			c += 'a' - 'A'
-		}
-		if c != s[i] {
-			return false
-		}
-	}
-	return true
-}
-
 // observeResponse wraps the body of a successful answer to an indexed
 // request: it puts the request's prompt in the index and, once the body
 // has been read, corrects the index from the answer's usage.
@@ -285,11 +256,11 @@ func readUsage(data []byte) (u usage, noChoices, ok bool) {
 	plain := true
 	if !scheduler.ScanObject(data, func(k, v []byte) {
 		switch {
-		case !plainKey(k):
+		case !scheduler.PlainKey(k):
 			plain = false
-		case asciiEqualFold(k, "choices"):
+		case scheduler.KeyEqualFold(k, "choices"):
 			choices = v
-		case asciiEqualFold(k, "usage"):
+		case scheduler.KeyEqualFold(k, "usage"):
 			usg = v
 		}
 	}) || !plain {
@@ -312,11 +283,11 @@ func readUsage(data []byte) (u usage, noChoices, ok bool) {
 	var prompt, details []byte
 	plain = scheduler.ScanObject(usg, func(k, v []byte) {
 		switch {
-		case !plainKey(k):
+		case !scheduler.PlainKey(k):
 			plain = false
-		case asciiEqualFold(k, "prompt_tokens"):
+		case scheduler.KeyEqualFold(k, "prompt_tokens"):
 			prompt = v
-		case asciiEqualFold(k, "prompt_tokens_details"):
+		case scheduler.KeyEqualFold(k, "prompt_tokens_details"):
 			details = v
 		}
 	}) && plain
@@ -328,9 +299,9 @@ func readUsage(data []byte) (u usage, noChoices, ok bool) {
 		}
 		plain = scheduler.ScanObject(details, func(k, v []byte) {
 			switch {
-			case !plainKey(k):
+			case !scheduler.PlainKey(k):
 				plain = false
-			case asciiEqualFold(k, "cached_tokens"):
+			case scheduler.KeyEqualFold(k, "cached_tokens"):
 				cached = v
 			}
 		}) && plain

@@ -2,6 +2,8 @@ package relay
 
 import (
 	"encoding/json"
+
+	"github.com/computeflux/computeflux/scheduler"
 )
 
 // scanRoutingFields fills f as json.Unmarshal(body, f) would, without
@@ -34,21 +36,21 @@ func scanRoutingFields(body []byte, f *routingFields) error {
 		i = skipSpace(body, ke)    // at ':'
 		vs := skipSpace(body, i+1) // the value
 		i = skipValue(body, vs)
-		if !plainKey(key) {
+		if !scheduler.PlainKey(key) {
 			return json.Unmarshal(body, f)
 		}
 		switch {
-		case asciiEqualFold(key, "model"):
+		case scheduler.KeyEqualFold(key, "model"):
 			out.Model = body[vs:i]
-		case asciiEqualFold(key, "stream"):
+		case scheduler.KeyEqualFold(key, "stream"):
 			out.Stream = body[vs:i]
-		case asciiEqualFold(key, "prompt_cache_key"):
+		case scheduler.KeyEqualFold(key, "prompt_cache_key"):
 			out.PromptCacheKey = body[vs:i]
-		case asciiEqualFold(key, "messages"):
+		case scheduler.KeyEqualFold(key, "messages"):
 			out.Messages = body[vs:i]
-		case asciiEqualFold(key, "previous_response_id"):
+		case scheduler.KeyEqualFold(key, "previous_response_id"):
 			out.PreviousResponseID = body[vs:i]
-		case asciiEqualFold(key, "store"):
+		case scheduler.KeyEqualFold(key, "store"):
 			out.Store = body[vs:i]
 		}
 		i = skipSpace(body, i)
@@ -136,33 +138,4 @@ func skipValue(b []byte, i int) int {
 		}
 		return i
 	}
-}
-
-// plainKey reports whether a raw key is printable ASCII without escapes,
-// so that comparing its bytes is comparing the decoded key.
-func plainKey(k []byte) bool {
-	for _, c := range k {
-		if c == '\\' || c >= 0x80 {
-			return false
-		}
-	}
-	return true
-}
-
-// asciiEqualFold reports whether k equals the lower-case ASCII name s
-// regardless of case.
-func asciiEqualFold(k []byte, s string) bool {
-	if len(k) != len(s) {
-		return false
-	}
-	for i := range len(k) {
-		c := k[i]
-		if 'A' <= c && c <= 'Z' {
-			c += 'a' - 'A'
-		}
-		if c != s[i] {
-			return false
-		}
-	}
-	return true
 }

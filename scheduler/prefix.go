@@ -474,6 +474,37 @@ func skipString(b []byte, i int) (int, bool) {
 // nesting deeper than 256 levels reports false. Values alias b.
 func ScanObject(b []byte, f func(key, val []byte)) bool { return scanObject(b, f) }
 
+// PlainKey reports whether a raw JSON key (as ScanObject gives it) has no
+// escapes and only ASCII bytes, so that KeyEqualFold matches it as
+// encoding/json matches a key to a field; other keys are for encoding/json
+// itself.
+func PlainKey(k []byte) bool {
+	for _, c := range k {
+		if c == '\\' || c >= 0x80 {
+			return false
+		}
+	}
+	return true
+}
+
+// KeyEqualFold reports whether the plain key k equals the lower-case ASCII
+// name s regardless of case, as encoding/json matches keys to fields.
+func KeyEqualFold(k []byte, s string) bool {
+	if len(k) != len(s) {
+		return false
+	}
+	for i := range len(k) {
+		c := k[i]
+		if 'A' <= c && c <= 'Z' {
+			c += 'a' - 'A'
+		}
+		if c != s[i] {
+			return false
+		}
+	}
+	return true
+}
+
 // scanObject calls f with each key (without quotes, escapes kept) and
 // value of the JSON object b (surrounding space allowed) and reports
 // whether b is a well-formed object.
