@@ -2,7 +2,11 @@ package relay
 
 import (
 	"encoding/json"
+	"io"
 	"net/http"
+	"net/http/httptest"
+	"runtime"
+	"strings"
 	"testing"
 )
 
@@ -34,4 +38,38 @@ func FuzzJSONString(f *testing.F) {
 			t.Fatalf("jsonString(%q) = %q, %v; Unmarshal: %q, %v", raw, got, err, want, wantErr)
 		}
 	})
+}
+
+// TestReadBodyTrustsNoDeclaredLength: a client that announces a body near
+// the limit and sends a few bytes makes the relay hold memory only for what
+// it sent, not for what it announced. (The server's body reader fails such
+// a body as cut short; this reader just ends.)
+func TestReadBodyTrustsNoDeclaredLength(t *testing.T) {
+	const declared = 30 << 20
+	for _, sent := range []int{10, 2 << 20} {
+		r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", io.LimitReader(zeros{}, int64(sent)))
+		r.ContentLength = declared
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		b, err := readBody(httptest.NewRecorder(), r, 32<<20)
+		runtime.ReadMemStats(&after)
+		if err != nil || len(b) != sent {
+			t.Fatalf("sent %d of %d declared bytes: read %d, %v", sent, declared, len(b), err)
+		}
+		if got := after.TotalAlloc - before.TotalAlloc; got > uint64(4*sent)+(1<<20) {
+			t.Errorf("sent %d of %d declared bytes: allocated %d bytes", sent, declared, got)
+		}
+	}
+	// A small declared body is read whole.
+	r := httptest.NewRequest(http.MethodPost, "/", strings.NewReader(`{"model":"m"}`))
+	if b, err := readBody(httptest.NewRecorder(), r, 32<<20); err != nil || string(b) != `{"model":"m"}` {
+		t.Fatalf("small body: %q, %v", b, err)
+	}
+}
+
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) {
+	clear(p)
+	return len(p), nil
 }

@@ -99,15 +99,21 @@ func jsonString(raw []byte) (string, error) {
 	return s, err
 }
 
+// preallocBody is the largest declared body length given its buffer before
+// the bytes arrive; past it the buffer grows with what is read, so that a
+// client announcing a body it never sends holds no memory for it.
+const preallocBody = 1 << 20
+
 // readBody reads a request body up to limit bytes; a larger body is a 413.
 func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, error) {
 	if r.ContentLength > limit {
 		return nil, errTooLarge(limit)
 	}
-	if r.ContentLength > 0 {
-		// The length is known and within the limit: read it into a slice
-		// of that size (a bytes.Buffer would grow once more for its
-		// MinRead), and the server's reader ends the body there.
+	if r.ContentLength > 0 && r.ContentLength <= preallocBody {
+		// The length is known and small: read it into a slice of that
+		// size (a bytes.Buffer would grow once more for its MinRead),
+		// and the server's reader ends the body there. A larger declared
+		// length is not trusted with memory before its bytes arrive.
 		b := make([]byte, r.ContentLength)
 		if _, err := io.ReadFull(r.Body, b); err != nil {
 			return nil, errBadRequest("body_read_failed", "Could not read the request body", err)

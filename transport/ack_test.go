@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"net/http/httptrace"
 	"net/textproto"
+	"runtime"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -141,5 +143,23 @@ func TestHandlerInformationalPassesThrough(t *testing.T) {
 	}
 	if len(hints) != 1 || hints[0] != "103 </style.css>; rel=preload" {
 		t.Fatalf("informational answers %q", hints)
+	}
+}
+
+// TestReadBodyTrustsNoDeclaredLength: a peer announcing a body near the
+// limit holds memory only for the bytes it sent.
+func TestReadBodyTrustsNoDeclaredLength(t *testing.T) {
+	const declared, sent = 60 << 20, 10
+	r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(strings.Repeat("x", sent)))
+	r.ContentLength = declared
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	b, _ := readBody(httptest.NewRecorder(), r)
+	runtime.ReadMemStats(&after)
+	if len(b) != sent {
+		t.Fatalf("read %d bytes, want %d", len(b), sent)
+	}
+	if got := after.TotalAlloc - before.TotalAlloc; got > 1<<20 {
+		t.Errorf("allocated %d bytes for a %d-byte body announced as %d", got, sent, declared)
 	}
 }

@@ -130,11 +130,16 @@ func bufferBody(next http.Handler) http.Handler {
 	})
 }
 
+// preallocBody is the largest declared body length given its buffer before
+// the bytes arrive; past it the buffer grows with what is read, so that a
+// peer announcing a body it never sends holds no memory for it.
+const preallocBody = 1 << 20
+
 // readBody reads r's whole body, at most MaxRequestBody bytes: into one
-// buffer of the declared length when there is one (the relay always declares
+// buffer of the declared length when it is small (the relay always declares
 // it), growing one otherwise.
 func readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
-	if n := r.ContentLength; n > 0 && n <= MaxRequestBody {
+	if n := r.ContentLength; n > 0 && n <= preallocBody {
 		// net/http's body reader stops at Content-Length and fails a
 		// body cut short.
 		b := make([]byte, n)
