@@ -353,7 +353,7 @@ func (r *Relay) serveStoredResponse(w http.ResponseWriter, req *http.Request, re
 		rl.status = writeError(w, err).Status
 		rl.err = err
 	}
-	r.log.Info().Str("path", rl.path).Str("method", req.Method).Str("agent", rl.agent).
+	r.reqLog.Info().Str("path", rl.path).Str("method", req.Method).Str("agent", rl.agent).
 		Int("status", rl.status).Dur("duration", r.cfg.Clock.Now().Sub(start)).AnErr("error", rl.err).Msg("request")
 }
 
