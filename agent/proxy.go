@@ -64,7 +64,7 @@ func (b *bufferPool) put(buf *[]byte) { b.p.Put(buf) }
 // informational (1xx) answers, which needed a client trace per request and
 // which the relay ignores anyway (it reads only the stream server's own
 // acknowledgement, transport.WithAck). The connection pooling itself stays
-// in the stock round tripper (Config.UpstreamTransport).
+// in the round tripper (Config.UpstreamTransport).
 
 // forward sends r to the engine and copies its answer to w; st is the
 // request's prefix state (nil when not indexed).
