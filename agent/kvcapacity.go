@@ -3,9 +3,6 @@ package agent
 import (
 	"context"
 	"errors"
-	"fmt"
-	"io"
-	"net/http"
 )
 
 // errNoKVCapacity means the engine publishes no KV-cache capacity the agent
@@ -23,8 +20,7 @@ func (a *Agent) engineKVCapacity(ctx context.Context) (int, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
 	defer cancel()
-	p := &engineProber{client: a.client, base: a.upstream, authorize: a.authorize}
-	b, ok := p.get(ctx, "/props")
+	b, ok := a.prober().get(ctx, "/props")
 	if !ok {
 		return 0, errNoKVCapacity
 	}
@@ -35,21 +31,7 @@ func (a *Agent) engineKVCapacity(ctx context.Context) (int, error) {
 	return clampInt(float64(pr.TotalSlots) * float64(pr.NCtx)), nil
 }
 
-// engineGet GETs path from the engine; the body is the caller's to close.
-func (a *Agent) engineGet(ctx context.Context, path string) (io.ReadCloser, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, a.upstream.JoinPath(path).String(), nil)
-	if err != nil {
-		return nil, err
-	}
-	a.authorize(req.Header)
-	resp, err := a.client.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	if resp.StatusCode != http.StatusOK {
-		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
-		resp.Body.Close()
-		return nil, fmt.Errorf("GET %s: status %d", path, resp.StatusCode)
-	}
-	return resp.Body, nil
+// prober asks the agent's engine, with the agent's client and authorization.
+func (a *Agent) prober() *engineProber {
+	return &engineProber{client: a.client, base: a.upstream, authorize: a.authorize}
 }
