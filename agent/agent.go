@@ -195,7 +195,6 @@ type Agent struct {
 	host     host.Host                          // guarded by mu; set while Run runs
 	draining atomic.Bool
 	index    *prefixIndex // nil when Config.Index.Disabled
-	capReads int          // refreshes since the engine's KV capacity was read; refresh only
 
 	mu       sync.Mutex // guards the following fields
 	models   []string
@@ -639,7 +638,7 @@ func (a *Agent) refresh(ctx context.Context) {
 		a.log.Warn().Err(err).Msg("engine model discovery failed")
 	}
 	if err == nil {
-		a.refreshKVCapacity(ctx)
+		a.refreshKVCapacity()
 	}
 	if wasOK != nowOK || !slices.Equal(before, after) || identify {
 		if nowOK {

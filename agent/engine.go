@@ -67,6 +67,11 @@ type engineProber struct {
 	authorize func(http.Header)
 }
 
+// prober asks the agent's engine, with the agent's client and authorization.
+func (a *Agent) prober() *engineProber {
+	return &engineProber{client: a.client, base: a.upstream, authorize: a.authorize}
+}
+
 // get fetches path; ok is false unless it answered 200.
 func (p *engineProber) get(ctx context.Context, path string) ([]byte, bool) {
 	return p.do(ctx, http.MethodGet, path, nil)
