@@ -688,10 +688,3 @@ func (a *Agent) scrapeMetrics(ctx context.Context) (EngineMetrics, error) {
 	defer body.Close()
 	return ParseEngineMetrics(io.LimitReader(body, maxMetricsBody))
 }
-
-func (a *Agent) authorize(h http.Header) {
-	h.Del("Authorization")
-	if a.cfg.UpstreamAPIKey != "" {
-		h.Set("Authorization", "Bearer "+a.cfg.UpstreamAPIKey)
-	}
-}

@@ -62,14 +62,14 @@ const maxMetricsBody = 16 << 20
 
 // engineProber asks an engine about itself.
 type engineProber struct {
-	client    *http.Client
-	base      *url.URL
-	authorize func(http.Header)
+	client *http.Client
+	base   *url.URL
+	auth   []string // the Authorization header's value; nil for none
 }
 
 // prober asks the agent's engine, with the agent's client and authorization.
 func (a *Agent) prober() *engineProber {
-	return &engineProber{client: a.client, base: a.upstream, authorize: a.authorize}
+	return &engineProber{client: a.client, base: a.upstream, auth: a.authValue}
 }
 
 // get fetches path; ok is false unless it answered 200.
@@ -142,7 +142,7 @@ func (p *engineProber) models(ctx context.Context) (modelList, error) {
 
 // send is every request the agent makes of its engine outside the proxy:
 // method path, with a JSON body when body is not nil, authorized as
-// configured. The response is the caller's to close.
+// configured (Config.UpstreamAPIKey). The response is the caller's to close.
 func (p *engineProber) send(ctx context.Context, method, path string, body []byte) (*http.Response, error) {
 	var rd io.Reader
 	if body != nil {
@@ -155,8 +155,8 @@ func (p *engineProber) send(ctx context.Context, method, path string, body []byt
 	if body != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}
-	if p.authorize != nil {
-		p.authorize(req.Header)
+	if p.auth != nil {
+		req.Header["Authorization"] = p.auth
 	}
 	return p.client.Do(req)
 }
