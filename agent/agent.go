@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -196,7 +195,6 @@ type Agent struct {
 	host     host.Host                          // guarded by mu; set while Run runs
 	draining atomic.Bool
 	index    *prefixIndex // nil when Config.Index.Disabled
-	capReads int          // refreshes since the engine's KV capacity was read; refresh only
 
 	mu       sync.Mutex // guards the following fields
 	models   []string
@@ -592,8 +590,7 @@ func (a *Agent) refresh(ctx context.Context) {
 	var idLoad EngineMetrics
 	if identify {
 		ictx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
-		p := &engineProber{client: a.client, base: a.upstream, authorize: a.authorize}
-		eng, idLoad = p.identify(ictx, ownedBy)
+		eng, idLoad = a.prober().identify(ictx, ownedBy)
 		cancel()
 		if eng.Kind == EngineUnknown {
 			a.log.Warn().Str("upstream", a.upstream.Redacted()).
@@ -641,7 +638,7 @@ func (a *Agent) refresh(ctx context.Context) {
 		a.log.Warn().Err(err).Msg("engine model discovery failed")
 	}
 	if err == nil {
-		a.refreshKVCapacity(ctx)
+		a.refreshKVCapacity()
 	}
 	if wasOK != nowOK || !slices.Equal(before, after) || identify {
 		if nowOK {
@@ -658,28 +655,9 @@ func (a *Agent) refresh(ctx context.Context) {
 func (a *Agent) discoverModels(ctx context.Context) ([]string, string, error) {
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, a.upstream.JoinPath("/v1/models").String(), nil)
+	list, err := a.prober().models(ctx)
 	if err != nil {
 		return nil, "", err
-	}
-	a.authorize(req.Header)
-	resp, err := a.client.Do(req)
-	if err != nil {
-		return nil, "", fmt.Errorf("GET /v1/models: %w", err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
-		return nil, "", fmt.Errorf("GET /v1/models: status %d", resp.StatusCode)
-	}
-	var list struct {
-		Data []struct {
-			ID      string `json:"id"`
-			OwnedBy string `json:"owned_by"`
-		} `json:"data"`
-	}
-	if err := json.NewDecoder(io.LimitReader(resp.Body, 8<<20)).Decode(&list); err != nil {
-		return nil, "", fmt.Errorf("GET /v1/models: %w", err)
 	}
 	var ids []string
 	var ownedBy string
@@ -703,17 +681,10 @@ func (a *Agent) discoverModels(ctx context.Context) ([]string, string, error) {
 func (a *Agent) scrapeMetrics(ctx context.Context) (EngineMetrics, error) {
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
 	defer cancel()
-	body, err := a.engineGet(ctx, "/metrics")
+	body, err := a.prober().open(ctx, "/metrics")
 	if err != nil {
 		return EngineMetrics{}, err
 	}
 	defer body.Close()
 	return ParseEngineMetrics(io.LimitReader(body, maxMetricsBody))
-}
-
-func (a *Agent) authorize(h http.Header) {
-	h.Del("Authorization")
-	if a.cfg.UpstreamAPIKey != "" {
-		h.Set("Authorization", "Bearer "+a.cfg.UpstreamAPIKey)
-	}
 }

@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -253,11 +254,16 @@ func TestAgentJoinsAndStreams(t *testing.T) {
 	if !strings.Contains(string(rest), "[DONE]") {
 		t.Fatalf("rest %q", rest)
 	}
+	// Every request the engine saw, forwarded or the agent's own (models,
+	// metrics, identification), carries the engine's key.
 	eng.mu.Lock()
 	for i, p := range eng.paths {
-		if p == "/v1/chat/completions" && eng.auth[i] != "Bearer engine-key" {
-			t.Errorf("engine saw Authorization %q", eng.auth[i])
+		if eng.auth[i] != "Bearer engine-key" {
+			t.Errorf("engine saw Authorization %q on %s", eng.auth[i], p)
 		}
+	}
+	if !slices.Contains(eng.paths, "/v1/models") || !slices.Contains(eng.paths, "/v1/chat/completions") {
+		t.Errorf("engine saw %v", eng.paths)
 	}
 	eng.mu.Unlock()
 	if m := a.Metrics(); m.Engine != "vllm" || m.Running != 3 || m.Waiting != 2 || m.KVCacheUsage != 0.25 {

@@ -2,10 +2,8 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -82,25 +80,9 @@ func FindEngine(ctx context.Context, ports []EnginePort, timeout time.Duration) 
 // probePort returns the engine on 127.0.0.1:port, or nil.
 func probePort(ctx context.Context, client *http.Client, port int) *FoundEngine {
 	base := &url.URL{Scheme: "http", Host: "127.0.0.1:" + strconv.Itoa(port)}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base.JoinPath("/v1/models").String(), nil)
-	if err != nil {
-		return nil
-	}
-	resp, err := client.Do(req)
-	if err != nil {
-		return nil
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return nil
-	}
-	var list struct {
-		Data []struct {
-			ID      string `json:"id"`
-			OwnedBy string `json:"owned_by"`
-		} `json:"data"`
-	}
-	if json.NewDecoder(io.LimitReader(resp.Body, 8<<20)).Decode(&list) != nil || list.Data == nil {
+	p := &engineProber{client: client, base: base}
+	list, err := p.models(ctx)
+	if err != nil || list.Data == nil {
 		return nil
 	}
 	f := &FoundEngine{URL: base.String()}
@@ -111,7 +93,6 @@ func probePort(ctx context.Context, client *http.Client, port int) *FoundEngine 
 		}
 		f.Models = append(f.Models, d.ID)
 	}
-	p := &engineProber{client: client, base: base, authorize: func(http.Header) {}}
 	f.Engine, _ = p.identify(ctx, ownedBy)
 	return f
 }

@@ -62,9 +62,14 @@ const maxMetricsBody = 16 << 20
 
 // engineProber asks an engine about itself.
 type engineProber struct {
-	client    *http.Client
-	base      *url.URL
-	authorize func(http.Header)
+	client *http.Client
+	base   *url.URL
+	auth   []string // the Authorization header's value; nil for none
+}
+
+// prober asks the agent's engine, with the agent's client and authorization.
+func (a *Agent) prober() *engineProber {
+	return &engineProber{client: a.client, base: a.upstream, auth: a.authValue}
 }
 
 // get fetches path; ok is false unless it answered 200.
@@ -72,24 +77,15 @@ func (p *engineProber) get(ctx context.Context, path string) ([]byte, bool) {
 	return p.do(ctx, http.MethodGet, path, nil)
 }
 
+// do sends method path and reads the answer, up to maxProbeBody
+// (maxMetricsBody for /metrics); ok says whether the answer shows the
+// route: 200 for a GET, anything but 404 and 405 for a POST.
 func (p *engineProber) do(ctx context.Context, method, path string, body []byte) ([]byte, bool) {
 	limit := int64(maxProbeBody)
 	if path == "/metrics" {
 		limit = maxMetricsBody
 	}
-	var rd io.Reader
-	if body != nil {
-		rd = bytes.NewReader(body)
-	}
-	req, err := http.NewRequestWithContext(ctx, method, p.base.JoinPath(path).String(), rd)
-	if err != nil {
-		return nil, false
-	}
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	p.authorize(req.Header)
-	resp, err := p.client.Do(req)
+	resp, err := p.send(ctx, method, path, body)
 	if err != nil {
 		return nil, false
 	}
@@ -104,6 +100,65 @@ func (p *engineProber) do(ctx context.Context, method, path string, body []byte)
 		return b, resp.StatusCode != http.StatusNotFound && resp.StatusCode != http.StatusMethodNotAllowed
 	}
 	return b, resp.StatusCode == http.StatusOK
+}
+
+// open GETs path for the caller to read as a stream; an answer other than
+// 200 is an error. The body is the caller's to close.
+func (p *engineProber) open(ctx context.Context, path string) (io.ReadCloser, error) {
+	resp, err := p.send(ctx, http.MethodGet, path, nil)
+	if err != nil {
+		return nil, fmt.Errorf("GET %s: %w", path, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+		resp.Body.Close()
+		return nil, fmt.Errorf("GET %s: status %d", path, resp.StatusCode)
+	}
+	return resp.Body, nil
+}
+
+// modelList is an engine's GET /v1/models answer, as far as the agent
+// reads it.
+type modelList struct {
+	Data []struct {
+		ID      string `json:"id"`
+		OwnedBy string `json:"owned_by"`
+	} `json:"data"`
+}
+
+// models reads the engine's GET /v1/models, up to 8 MiB.
+func (p *engineProber) models(ctx context.Context) (modelList, error) {
+	var list modelList
+	body, err := p.open(ctx, "/v1/models")
+	if err != nil {
+		return list, err
+	}
+	defer body.Close()
+	if err := json.NewDecoder(io.LimitReader(body, 8<<20)).Decode(&list); err != nil {
+		return list, fmt.Errorf("GET /v1/models: %w", err)
+	}
+	return list, nil
+}
+
+// send is every request the agent makes of its engine outside the proxy:
+// method path, with a JSON body when body is not nil, authorized as
+// configured (Config.UpstreamAPIKey). The response is the caller's to close.
+func (p *engineProber) send(ctx context.Context, method, path string, body []byte) (*http.Response, error) {
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, p.base.JoinPath(path).String(), rd)
+	if err != nil {
+		return nil, err
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	if p.auth != nil {
+		req.Header["Authorization"] = p.auth
+	}
+	return p.client.Do(req)
 }
 
 // identify recognises the engine from its own endpoints: the metric family
@@ -419,7 +474,7 @@ func (a *Agent) scrapeLoad(ctx context.Context, eng EngineInfo, fresh bool) (Eng
 		eng = a.engine
 		a.mu.Unlock()
 	}
-	p := &engineProber{client: a.client, base: a.upstream, authorize: a.authorize}
+	p := a.prober()
 	switch eng.Kind {
 	case EngineOllama:
 		ctx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)

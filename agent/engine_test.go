@@ -3,12 +3,15 @@ package agent
 import (
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -164,5 +167,41 @@ func TestCacheConfigTokens(t *testing.T) {
 		if got := cacheConfigTokens(line); got != want {
 			t.Errorf("%s: %d, want %d", line, got, want)
 		}
+	}
+}
+
+// TestFindEngine finds and identifies an engine on its 127.0.0.1 port, skips
+// a port whose /v1/models is no model list, and says what to pass when no
+// port answered.
+func TestFindEngine(t *testing.T) {
+	port := func(srv *httptest.Server) int {
+		t.Helper()
+		u, err := url.Parse(srv.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := strconv.Atoi(u.Port())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	vllm := fixtureEngine(t, "vllm")
+	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, `{"object":"list"}`) // 200, but no data
+	}))
+	t.Cleanup(other.Close)
+	found, err := FindEngine(context.Background(), []EnginePort{{port(other), "x"}, {port(vllm), "vLLM"}}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(found) != 1 || found[0].URL != vllm.URL || found[0].Engine.Kind != EngineVLLM ||
+		!slices.Equal(found[0].Models, []string{"meta-llama/Llama-3.1-8B-Instruct"}) {
+		t.Fatalf("found %+v, want the vLLM fixture only", found)
+	}
+
+	_, err = FindEngine(context.Background(), []EnginePort{{port(other), "x"}}, 0)
+	if !errors.Is(err, ErrNoEngine) || !strings.Contains(err.Error(), "--upstream") {
+		t.Fatalf("error %v, want ErrNoEngine saying what to pass", err)
 	}
 }

@@ -44,8 +44,8 @@ type IndexConfig struct {
 	// zero value is scheduler's default, as the relay's.
 	Prefix scheduler.PrefixConfig
 	// KVCapacityTokens is the engine's KV-cache capacity in tokens. Zero
-	// means read it from the engine (see engineKVCapacity), else
-	// DefaultKVCapacityTokens.
+	// means the engine's own figure (Agent.KVCapacityTokens) when it
+	// reports one, else DefaultKVCapacityTokens.
 	KVCapacityTokens int
 	// PublishInterval is how often changes are sent. Zero means
 	// DefaultPublishInterval.
@@ -532,24 +532,13 @@ func (a *Agent) startPublishing(ctx context.Context, h host.Host, relay peer.ID)
 	}
 }
 
-// kvCapacityRereads is how many refreshes pass between reads of the
-// engine's KV capacity (it changes only with a restart of the engine).
-const kvCapacityRereads = 6
-
-// refreshKVCapacity sizes the index from the engine's KV capacity, unless
-// it is configured. Called by refresh only.
-func (a *Agent) refreshKVCapacity(ctx context.Context) {
+// refreshKVCapacity sizes the index from the engine's KV capacity (what its
+// identification and load figures found, KVCapacityTokens), unless it is
+// configured; an unknown capacity leaves the index its size
+// (DefaultKVCapacityTokens at first). Called by refresh only.
+func (a *Agent) refreshKVCapacity() {
 	if a.index == nil || a.cfg.Index.KVCapacityTokens > 0 {
 		return
 	}
-	if a.capReads > 0 {
-		a.capReads = (a.capReads + 1) % kvCapacityRereads
-		return
-	}
-	tokens, err := a.engineKVCapacity(ctx)
-	a.capReads = 1
-	if err != nil {
-		return // unknown: the index keeps its size (DefaultKVCapacityTokens at first)
-	}
-	a.index.setCapacity(tokens)
+	a.index.setCapacity(a.KVCapacityTokens())
 }

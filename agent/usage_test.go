@@ -243,16 +243,30 @@ func TestParseKVCapacity(t *testing.T) {
 	}
 }
 
+// TestEngineKVCapacityLlamaCpp: a llama.cpp without --metrics is sized
+// from its /props (total_slots x the per-slot context) at identification,
+// and the index takes that size.
 func TestEngineKVCapacityLlamaCpp(t *testing.T) {
 	mux := http.NewServeMux()
-	mux.HandleFunc("/metrics", func(w http.ResponseWriter, r *http.Request) { http.NotFound(w, r) })
+	mux.HandleFunc("/v1/models", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, `{"object":"list","data":[{"id":"m","owned_by":"llamacpp"}]}`)
+	})
 	mux.HandleFunc("/props", func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprint(w, `{"total_slots":4,"default_generation_settings":{"n_ctx":8192}}`)
 	})
 	a := newIndexedAgent(t, mux, 0)
-	got, err := a.engineKVCapacity(t.Context())
-	if err != nil || got != 4*8192 {
-		t.Fatalf("got %d, %v", got, err)
+	if got := a.index.stats().CapacityTokens; got == 4*8192 {
+		t.Fatalf("index sized %d tokens before the engine was read", got)
+	}
+	a.refresh(t.Context())
+	if k := a.Engine().Kind; k != EngineLlamaCpp {
+		t.Fatalf("engine %q, want llama.cpp", k)
+	}
+	if got := a.KVCapacityTokens(); got != 4*8192 {
+		t.Fatalf("KV capacity %d tokens, want %d", got, 4*8192)
+	}
+	if got := a.index.stats().CapacityTokens; got != 4*8192 {
+		t.Fatalf("index sized %d tokens, want %d", got, 4*8192)
 	}
 }
 

@@ -321,11 +321,7 @@ func (o *responsesWriter) event(typ string, fields map[string]any) {
 
 func (o *responsesWriter) chunks(pieces []string) error {
 	if !o.started {
-		h := o.w.Header()
-		h.Set("Content-Type", "text/event-stream")
-		h.Set("Cache-Control", "no-cache")
-		h.Set("X-Accel-Buffering", "no")
-		o.w.WriteHeader(http.StatusOK)
+		startStream(o.w)
 		o.started = true
 		snap := o.obj
 		o.event("response.created", map[string]any{"response": &snap})

@@ -784,11 +784,7 @@ func (o *responder) whole(text, finish string, u Usage) error {
 // and, for chat, the assistant role.
 func (o *responder) chunks(pieces []string) error {
 	if !o.started {
-		h := o.w.Header()
-		h.Set("Content-Type", "text/event-stream")
-		h.Set("Cache-Control", "no-cache")
-		h.Set("X-Accel-Buffering", "no")
-		o.w.WriteHeader(http.StatusOK)
+		startStream(o.w)
 		o.started = true
 		if o.kind == kindChat {
 			empty := ""
@@ -831,6 +827,15 @@ func (o *responder) event(c *completion) {
 }
 
 func (o *responder) flush() error { return flushStream(o.w, &o.buf) }
+
+// startStream sends the headers of a stream of server-sent events.
+func startStream(w http.ResponseWriter) {
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("X-Accel-Buffering", "no")
+	w.WriteHeader(http.StatusOK)
+}
 
 // flushStream writes the buffered server-sent events to w, empties the
 // buffer and flushes w so the client sees them now.
