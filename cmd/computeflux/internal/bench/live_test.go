@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -64,4 +65,41 @@ func runLiveStickyRoundRobin(t *testing.T, relays int) (Config, *Report) {
 		t.Fatalf("sticky's hit ratio %.3f is not above round-robin's %.3f", sticky.HitRatio, rr.HitRatio)
 	}
 	return cfg, rp
+}
+
+// ReadStream joins the deltas, reads the usage chunk, calls first once at
+// the first content and refuses an error chunk, a bad chunk or an answer
+// without content.
+func TestReadStream(t *testing.T) {
+	const ok = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n" +
+		"data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n" +
+		": keep-alive\n\n" +
+		"data: {\"choices\":[{\"delta\":{\"content\":\"lo\"}}]}\n\n" +
+		"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":5}}}\n\n" +
+		"data: [DONE]\n\n"
+	firsts := 0
+	r, err := ReadStream(strings.NewReader(ok), func() { firsts++ })
+	if err != nil || r != (StreamReply{Answer: "Hello", PromptTokens: 7, CompletionTokens: 2, CachedTokens: 5, Usage: true, Done: true}) || firsts != 1 {
+		t.Fatalf("reply %+v, %v, first called %d times", r, err, firsts)
+	}
+	for in, want := range map[string]string{
+		"data: {\"error\":{\"message\":\"engine gone\"}}\n\n": "engine gone",
+		"data: {\"choices\":\n\n":                             "stream:",
+		"data: {\"choices\":[]}\n\ndata: [DONE]\n\n":          "ended early",
+	} {
+		if _, err := ReadStream(strings.NewReader(in), nil); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%q: %v, want an error with %q", in, err, want)
+		}
+	}
+}
+
+func FuzzReadStream(f *testing.F) {
+	f.Add("data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: [DONE]\n\n")
+	f.Add("data: {\"error\":{\"message\":\"x\"}}\n\n")
+	f.Fuzz(func(t *testing.T, in string) {
+		r, err := ReadStream(strings.NewReader(in), nil)
+		if err == nil && r.Answer == "" {
+			t.Fatalf("%q: no error and no answer", in)
+		}
+	})
 }
