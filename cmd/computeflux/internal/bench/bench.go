@@ -363,10 +363,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	for _, k := range ws {
 		if k.keyless {
-			rp.Keys = append(rp.Keys, "without")
+			rp.Keys = append(rp.Keys, KeysWithout)
 			rp.Sessions = len(k.w.Sessions) // as the scheduler sees them: none inferred
 		} else {
-			rp.Keys = append(rp.Keys, "with")
+			rp.Keys = append(rp.Keys, KeysWith)
 		}
 	}
 	if cfg.Mode == ModeLive {
