@@ -83,7 +83,8 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.IntVar(&cfg.Engines, "engines", 4, "number of engines, each with its agent")
 	fs.IntVar(&cfg.Relays, "relays", 0, "relays the requests are spread over at random (sim: schedulers sharing session bindings as relays do; live: real relays, every agent joined to all; 0: one relay, live on the classic cluster)")
 	fs.DurationVar(&cfg.PeerDelay, "peer-delay", 0, "sim: model time a session binding takes to reach the other relays (default 15ms)")
-	fs.BoolVar(&cfg.Keyless, "keyless", false, "send the chat workload without session keys")
+	var keyless bool
+	fs.BoolVar(&keyless, "keyless", false, "deprecated spelling of --keys without")
 	fs.IntVar(&cfg.Chat.Sessions, "sessions", 0, "chat sessions (default 30 per engine)")
 	fs.DurationVar(&cfg.Duration, "duration", 0, "send no new turn after this much model time (0: the whole workload)")
 	fs.IntVar(&cfg.MaxRequests, "requests", 0, "send at most this many requests (0: the whole workload)")
@@ -117,6 +118,12 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	}
 	if fs.NArg() > 0 {
 		return cfg, nil, false, "", fmt.Errorf("bench: unexpected arguments %q", fs.Args())
+	}
+	if keyless {
+		if cfg.Keys != "" && cfg.Keys != bench.KeysWithout {
+			return cfg, nil, false, "", fmt.Errorf("bench: --keyless contradicts --keys %s", cfg.Keys)
+		}
+		cfg.Keys = bench.KeysWithout
 	}
 	if policies != "all" && policies != "" {
 		for _, s := range strings.Split(policies, ",") {

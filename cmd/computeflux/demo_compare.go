@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -15,6 +14,7 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/cmd/computeflux/internal/bench"
 	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/scheduler"
 )
@@ -198,55 +198,13 @@ func demoRequest(ctx context.Context, client *http.Client, c *relaytest.Cluster,
 		r.err = fmt.Errorf("status %d: %s", resp.StatusCode, bytes.TrimSpace(b))
 		return r, ""
 	}
-	var answer strings.Builder
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok || data == "[DONE]" {
-			continue
-		}
-		var ch struct {
-			Choices []struct {
-				Delta struct {
-					Content string `json:"content"`
-				} `json:"delta"`
-			} `json:"choices"`
-			Usage *struct {
-				PromptTokens        int `json:"prompt_tokens"`
-				CompletionTokens    int `json:"completion_tokens"`
-				PromptTokensDetails struct {
-					CachedTokens int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
-			Error *struct {
-				Message string `json:"message"`
-			} `json:"error"`
-		}
-		if err := json.Unmarshal([]byte(data), &ch); err != nil {
-			r.err = err
-			return r, ""
-		}
-		if ch.Error != nil {
-			r.err = errors.New(ch.Error.Message)
-			return r, ""
-		}
-		for _, c := range ch.Choices {
-			if c.Delta.Content != "" && r.ttft == 0 {
-				r.ttft = time.Duration(float64(time.Since(start)) * w.TimeScale)
-			}
-			answer.WriteString(c.Delta.Content)
-		}
-		if ch.Usage != nil {
-			r.prompt, r.cached, r.completionTokens = ch.Usage.PromptTokens, ch.Usage.PromptTokensDetails.CachedTokens, ch.Usage.CompletionTokens
-		}
-	}
-	if err := sc.Err(); err != nil {
+	reply, err := bench.ReadStream(resp.Body, func() { r.ttft = time.Duration(float64(time.Since(start)) * w.TimeScale) })
+	if err != nil {
 		r.err = err
-	} else if r.ttft == 0 {
-		r.err = errors.New("no token in the answer")
+		return r, ""
 	}
-	return r, answer.String()
+	r.prompt, r.cached, r.completionTokens = reply.PromptTokens, reply.CachedTokens, reply.CompletionTokens
+	return r, reply.Answer
 }
 
 func printTurn(w io.Writer, r demoTurn) {

@@ -180,9 +180,6 @@ type Config struct {
 	// PeerDelay is the model time a binding takes from one relay to the
 	// others in sim mode. 0 means DefaultPeerDelay.
 	PeerDelay time.Duration
-	// Keyless sends the chat workload without session keys: Keys
-	// KeysWithout, which it requires or implies.
-	Keyless bool
 	// TimeScale speeds live engines up (live mode). Default 10.
 	TimeScale float64
 	// Parallel runs the live policies at the same time, each on its own
@@ -269,9 +266,6 @@ func (c *Config) validate() error {
 	default:
 		errs = append(errs, fmt.Errorf("keys %q: want with, without or both", c.Keys))
 	}
-	if c.Keyless && c.Keys != KeysAuto && c.Keys != KeysWithout {
-		errs = append(errs, fmt.Errorf("keyless contradicts keys %q", c.Keys))
-	}
 	if c.Duration < 0 || c.MaxRequests < 0 || c.Capacity < 0 || c.MaxAttempts < 1 {
 		errs = append(errs, errors.New("duration, requests and capacity must not be negative; max attempts at least 1"))
 	}
@@ -310,7 +304,7 @@ type keyed struct {
 func (c *Config) workloads() ([]keyed, error) {
 	with, without := c.Keys == KeysWith || c.Keys == KeysBoth, c.Keys == KeysWithout || c.Keys == KeysBoth
 	if c.Keys == KeysAuto {
-		with, without = c.TracePath == "" && !c.Keyless, c.TracePath != "" || c.Keyless
+		with, without = c.TracePath == "", c.TracePath != ""
 	}
 	var out []keyed
 	if c.TracePath == "" {
@@ -369,10 +363,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	for _, k := range ws {
 		if k.keyless {
-			rp.Keys = append(rp.Keys, "without")
+			rp.Keys = append(rp.Keys, KeysWithout)
 			rp.Sessions = len(k.w.Sessions) // as the scheduler sees them: none inferred
 		} else {
-			rp.Keys = append(rp.Keys, "with")
+			rp.Keys = append(rp.Keys, KeysWith)
 		}
 	}
 	if cfg.Mode == ModeLive {

@@ -222,6 +222,68 @@ type streamChunk struct {
 	} `json:"error"`
 }
 
+// StreamReply is what a streamed chat completion carried.
+type StreamReply struct {
+	// Answer is the content of every delta, in order.
+	Answer string
+	// PromptTokens, CompletionTokens and CachedTokens are the usage chunk's
+	// counts; Usage tells whether the stream had one.
+	PromptTokens, CompletionTokens, CachedTokens int
+	Usage                                        bool
+	// Done tells whether the stream ended with [DONE].
+	Done bool
+}
+
+// ReadStream reads a streamed chat completion's server-sent events from
+// body until [DONE] or its end, calling first (if not nil) when the first
+// content arrives. A chunk that does not decode, an error chunk or an
+// answer without any content is an error.
+func ReadStream(body io.Reader, first func()) (StreamReply, error) {
+	var reply StreamReply
+	var answer strings.Builder
+	gotFirst := false
+	sc := bufio.NewScanner(body)
+	sc.Buffer(make([]byte, 0, 64<<10), 4<<20)
+	for sc.Scan() {
+		line, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if line == "[DONE]" {
+			reply.Done = true
+			break
+		}
+		var ch streamChunk
+		if err := json.Unmarshal([]byte(line), &ch); err != nil {
+			return reply, fmt.Errorf("stream: %w", err)
+		}
+		if ch.Error != nil {
+			return reply, fmt.Errorf("stream error: %s", ch.Error.Message)
+		}
+		for _, c := range ch.Choices {
+			if c.Delta.Content != "" && !gotFirst {
+				gotFirst = true
+				if first != nil {
+					first()
+				}
+			}
+			answer.WriteString(c.Delta.Content)
+		}
+		if ch.Usage != nil {
+			reply.Usage = true
+			reply.PromptTokens, reply.CompletionTokens, reply.CachedTokens = ch.Usage.PromptTokens, ch.Usage.CompletionTokens, ch.Usage.Details.CachedTokens
+		}
+	}
+	reply.Answer = answer.String()
+	if err := sc.Err(); err != nil {
+		return reply, fmt.Errorf("stream: %w", err)
+	}
+	if !gotFirst {
+		return reply, errors.New("stream ended early")
+	}
+	return reply, nil
+}
+
 // request sends one streamed chat completion and records it. It returns
 // the answer's text and whether the request succeeded.
 func (r *liveRun) request(ctx context.Context, session string, msgs []message, maxTokens int) (string, bool) {
@@ -276,48 +338,18 @@ func (r *liveRun) do(ctx context.Context, session string, msgs []message, maxTok
 			rec.engine = n
 		}
 	}
-	var answer strings.Builder
-	gotFirst, gotUsage, gotDone := false, false, false
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 0, 64<<10), 4<<20)
-	for sc.Scan() {
-		line, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok {
-			continue
-		}
-		if line == "[DONE]" {
-			gotDone = true
-			break
-		}
-		var ch streamChunk
-		if err := json.Unmarshal([]byte(line), &ch); err != nil {
-			return "", fmt.Errorf("stream: %w", err)
-		}
-		if ch.Error != nil {
-			return "", fmt.Errorf("stream error: %s", ch.Error.Message)
-		}
-		for _, c := range ch.Choices {
-			if c.Delta.Content != "" && !gotFirst {
-				gotFirst = true
-				rec.ttft = r.model(time.Since(sent))
-			}
-			answer.WriteString(c.Delta.Content)
-		}
-		if ch.Usage != nil {
-			gotUsage = true
-			rec.prompt, rec.completion, rec.cached = ch.Usage.PromptTokens, ch.Usage.CompletionTokens, ch.Usage.Details.CachedTokens
-		}
+	reply, err := ReadStream(resp.Body, func() { rec.ttft = r.model(time.Since(sent)) })
+	rec.prompt, rec.completion, rec.cached = reply.PromptTokens, reply.CompletionTokens, reply.CachedTokens
+	if err != nil {
+		return "", err
 	}
-	if err := sc.Err(); err != nil {
-		return "", fmt.Errorf("stream: %w", err)
-	}
-	if !gotFirst || !gotUsage || !gotDone {
+	if !reply.Usage || !reply.Done {
 		return "", errors.New("stream ended early")
 	}
 	now := time.Now()
 	rec.e2e = r.model(now.Sub(sent))
 	rec.done = r.model(now.Sub(r.start))
-	return answer.String(), nil
+	return reply.Answer, nil
 }
 
 // scenario applies the scenario's actions at their times.

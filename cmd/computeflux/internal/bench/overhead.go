@@ -3,7 +3,6 @@ package bench
 import (
 	"bufio"
 	"bytes"
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -332,27 +331,12 @@ func measureRound(ctx context.Context, cfg OverheadConfig, targets []*target, ro
 	}
 	for k, t := range targets {
 		r := OverheadRound{RPS: rps[k], CPUPerRequest: cpu[k], Errors: errs[k]}
-		r.SmallP50, r.SmallP99 = pct(small[k], .50), pct(small[k], .99)
-		r.StreamP50, r.StreamP99 = pct(stream[k], .50), pct(stream[k], .99)
-		r.LoadP50, r.LoadP99 = pct(load[k], .50), pct(load[k], .99)
+		r.SmallP50, r.SmallP99 = percentile(small[k], .50), percentile(small[k], .99)
+		r.StreamP50, r.StreamP99 = percentile(stream[k], .50), percentile(stream[k], .99)
+		r.LoadP50, r.LoadP99 = percentile(load[k], .50), percentile(load[k], .99)
 		t.rounds = append(t.rounds, r)
 	}
 	return nil
-}
-
-func pct(d []time.Duration, p float64) time.Duration {
-	if len(d) == 0 {
-		return 0
-	}
-	slices.Sort(d)
-	return d[int(p*float64(len(d)-1))]
-}
-
-// median sorts v and returns its middle value (the upper one of an even
-// count).
-func median[T cmp.Ordered](v []T) T {
-	slices.Sort(v)
-	return v[len(v)/2]
 }
 
 // summarizeOverhead takes medians over rounds of t's figures against direct's in

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -111,5 +112,32 @@ func TestRunOverheadEndToEnd(t *testing.T) {
 	}
 	if !strings.Contains(b.String(), "| computeflux |") || !strings.Contains(b.String(), "| go-reverse-proxy |") {
 		t.Fatalf("table:\n%s", b.String())
+	}
+}
+
+// The overhead's per-round percentiles and the bench tables' quantiles
+// follow one rule, nearest rank.
+func TestPercentileNearestRank(t *testing.T) {
+	var v []time.Duration
+	for i := 50; i >= 1; i-- {
+		v = append(v, time.Duration(i)*time.Millisecond)
+	}
+	for _, c := range []struct {
+		p    float64
+		want time.Duration
+	}{{.50, 25 * time.Millisecond}, {.95, 48 * time.Millisecond}, {.99, 50 * time.Millisecond}, {0, time.Millisecond}} {
+		if got := percentile(slices.Clone(v), c.p); got != c.want {
+			t.Errorf("p%v of 1..50 ms = %v, want %v", 100*c.p, got, c.want)
+		}
+	}
+	q := quantiles(v)
+	if q.P50 != 25 || q.P95 != 48 || q.P99 != 50 {
+		t.Errorf("quantiles %+v, want 25, 48, 50 ms", q)
+	}
+	if got := median([]int{4, 1, 3, 2}); got != 2 {
+		t.Errorf("median of 1..4 = %d, want 2 (the lower middle)", got)
+	}
+	if got := percentile([]time.Duration(nil), .5); got != 0 {
+		t.Errorf("percentile of none = %v", got)
 	}
 }

@@ -57,29 +57,9 @@ func TestLiveRelays(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts relays and agents over QUIC")
 	}
-	cfg := Config{
-		Mode:      ModeLive,
-		Engines:   3,
-		Relays:    3,
-		Seed:      2,
-		TimeScale: 50,
-		Policies:  []scheduler.Policy{scheduler.PolicySticky, scheduler.PolicyRoundRobin},
-		Chat:      ChatConfig{Sessions: 12, SystemTokens: 1000, MeanTurns: 4, Think: 2 * time.Second, ArrivalSpan: 5 * time.Second},
-	}
-	rp, err := Run(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sticky, rr := rp.Results[0], rp.Results[1]
-	t.Logf("oracle %.3f, sticky over 3 relays %.3f (%d binding updates, %.0f B/s per relay), round-robin %.3f",
-		rp.Oracle, sticky.HitRatio, sticky.BindingUpdates, sticky.BindingBytesPerSec, rr.HitRatio)
-	for _, r := range rp.Results {
-		if r.Errors != 0 || r.Requests != rp.Turns || r.Relays != 3 {
-			t.Fatalf("%s: %d errors in %d requests over %d relays, want %d requests", r.Policy, r.Errors, r.Requests, r.Relays, rp.Turns)
-		}
-	}
-	if sticky.HitRatio <= rr.HitRatio || sticky.BindingUpdates == 0 {
-		t.Fatalf("sticky %.3f, round-robin %.3f, %d binding updates", sticky.HitRatio, rr.HitRatio, sticky.BindingUpdates)
+	_, rp := runLiveStickyRoundRobin(t, 3)
+	if sticky := rp.Results[0]; sticky.BindingUpdates == 0 {
+		t.Fatalf("sticky over 3 relays: no binding updates")
 	}
 	if _, err := Run(context.Background(), Config{Mode: ModeLive, Relays: 2, Scenario: ScenarioFailure}); err == nil {
 		t.Error("several live relays with a failure scenario: accepted")

@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -126,19 +127,27 @@ func imbalance(counts []int) float64 {
 	return float64(mx) / (float64(sum) / float64(len(counts)))
 }
 
-// quantiles returns p50, p95 and p99 in milliseconds (nearest rank).
+// quantiles returns p50, p95 and p99 in milliseconds.
 func quantiles(d []time.Duration) Quantiles {
-	if len(d) == 0 {
-		return Quantiles{}
-	}
-	slices.Sort(d)
-	q := func(p float64) float64 {
-		i := int(p*float64(len(d))+0.999999) - 1
-		i = max(0, min(len(d)-1, i))
-		return float64(d[i]) / 1e6
-	}
+	q := func(p float64) float64 { return float64(percentile(d, p)) / 1e6 }
 	return Quantiles{P50: q(0.50), P95: q(0.95), P99: q(0.99)}
 }
+
+// percentile sorts v and returns its p-th percentile by nearest rank, the
+// one rule of the package's figures; the zero value when v is empty.
+func percentile[T cmp.Ordered](v []T, p float64) T {
+	if len(v) == 0 {
+		var zero T
+		return zero
+	}
+	slices.Sort(v)
+	i := int(p*float64(len(v))+0.999999) - 1
+	return v[max(0, min(len(v)-1, i))]
+}
+
+// median is v's 50th percentile by nearest rank (the lower middle value
+// of an even count).
+func median[T cmp.Ordered](v []T) T { return percentile(v, .5) }
 
 // Micros are percentiles in microseconds of wall time.
 type Micros struct {

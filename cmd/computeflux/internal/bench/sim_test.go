@@ -3,7 +3,6 @@ package bench
 import (
 	"context"
 	"math"
-	"strings"
 	"testing"
 	"time"
 
@@ -155,15 +154,5 @@ func TestSimKeylessChatFollowsPrefixes(t *testing.T) {
 	}
 	if rp.Pooled <= 0 || rp.Pooled > rp.Oracle+1e-9 {
 		t.Fatalf("pooled bound %v, oracle %v", rp.Pooled, rp.Oracle)
-	}
-}
-
-// Keyless is Keys without: a run that asks for keys as well is refused
-// rather than run keyless under a "keys" label.
-func TestKeylessContradictsKeys(t *testing.T) {
-	for _, k := range []string{KeysWith, KeysBoth} {
-		if _, err := Run(context.Background(), Config{Mode: ModeSim, Engines: 2, Chat: ChatConfig{Sessions: 2}, Keyless: true, Keys: k}); err == nil || !strings.Contains(err.Error(), "keyless") {
-			t.Errorf("keys %q with keyless: %v", k, err)
-		}
 	}
 }
