@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"github.com/libp2p/go-libp2p/core/peer"
-	"github.com/libp2p/go-libp2p/p2p/protocol/ping"
 
 	"github.com/computeflux/computeflux/scheduler"
 )
@@ -87,7 +86,7 @@ type TableRow struct {
 	// for providers and without a connection.
 	Path string `json:"path,omitempty"`
 	// RTTMillis is the relay's round-trip time to an agent (libp2p's
-	// moving average); 0 when unknown.
+	// moving average, fed by the liveness probe); 0 when unknown.
 	RTTMillis float64 `json:"rtt_ms,omitempty"`
 	// Error is why a provider has no models (discovery failed).
 	Error string `json:"error,omitempty"`
@@ -224,51 +223,6 @@ func (r *Relay) agentPath(p peer.ID) (string, float64) {
 		}
 	}
 	return path, float64(r.host.Peerstore().LatencyEWMA(p)) / 1e6
-}
-
-// rttEvery is how often the relay measures its round trip to each agent
-// (one libp2p ping), for the table; a newly joined agent is measured at once.
-const rttEvery = 30 * time.Second
-
-// startRTT measures the RTT to every joined agent every rttEvery, and to
-// agents not measured yet whenever the registry changes. Stopped by Close.
-func (r *Relay) startRTT() {
-	r.bgWG.Add(1)
-	go func() {
-		defer r.bgWG.Done()
-		t := time.NewTicker(rttEvery)
-		defer t.Stop()
-		for {
-			all := false
-			select {
-			case <-r.bgCtx.Done():
-				return
-			case <-t.C:
-				all = true
-			case <-r.rttKick:
-			}
-			for _, a := range r.reg.Agents() {
-				if a.Dead || (!all && r.host.Peerstore().LatencyEWMA(a.Peer) != 0) {
-					continue
-				}
-				ctx, cancel := context.WithTimeout(r.bgCtx, 5*time.Second)
-				// ping.Ping records the round trip in the peerstore.
-				res := <-ping.Ping(ctx, r.host, a.Peer)
-				cancel()
-				if res.Error != nil && r.bgCtx.Err() == nil {
-					r.log.Debug().Str("agent", a.Name).Err(res.Error).Msg("rtt probe failed")
-				}
-			}
-		}
-	}()
-}
-
-// kickRTT asks for the RTT of agents not measured yet; it never blocks.
-func (r *Relay) kickRTT() {
-	select {
-	case r.rttKick <- struct{}{}:
-	default:
-	}
 }
 
 // Admin actions on one endpoint.

@@ -37,6 +37,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -232,7 +233,7 @@ func (pm *peerManager) learn(id peer.ID, addrs []ma.Multiaddr, seed bool) *peerL
 	if l != nil {
 		l.mu.Lock()
 		for _, a := range addrs {
-			if !containsAddr(l.addrs, a) && len(l.addrs) < 16 {
+			if len(l.addrs) < 16 && !slices.ContainsFunc(l.addrs, a.Equal) {
 				l.addrs = append(l.addrs, a)
 			}
 		}
@@ -251,15 +252,6 @@ func (pm *peerManager) learn(id peer.ID, addrs []ma.Multiaddr, seed bool) *peerL
 		go pm.run(l)
 	}
 	return l
-}
-
-func containsAddr(list []ma.Multiaddr, a ma.Multiaddr) bool {
-	for _, x := range list {
-		if x.Equal(a) {
-			return true
-		}
-	}
-	return false
 }
 
 // known reports whether p is a peer relay we know (not disconnected by the

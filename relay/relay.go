@@ -40,11 +40,10 @@ type Relay struct {
 	// (responses.go), with the scheduler's session TTL and bound.
 	responses *responseStore
 
-	ops       *operator     // the operator's settings (operator.go)
-	providers *providerSet  // provider endpoints (providers.go)
-	stats     *statsWindow  // recent requests, for the status page (admin.go)
-	adminAddr atomic.Value  // string: the admin listener's address
-	rttKick   chan struct{} // wakes the RTT prober (admin.go), which runs only with a host
+	ops       *operator    // the operator's settings (operator.go)
+	providers *providerSet // provider endpoints (providers.go)
+	stats     *statsWindow // recent requests, for the status page (admin.go)
+	adminAddr atomic.Value // string: the admin listener's address
 
 	host    host.Host     // nil with NoP2P
 	ownHost bool          // New created host, so Close closes it
@@ -91,7 +90,6 @@ func New(cfg Config) (*Relay, error) {
 	if cfg.RequestLogger != nil {
 		r.reqLog = cfg.RequestLogger.With().Str("component", "relay").Logger()
 	}
-	r.rttKick = make(chan struct{}, 1)
 	r.reg = newRegistry(sched, r.log)
 	r.responses = newResponseStore(sched.Config().SessionTTL, sched.Config().MaxSessions)
 	r.ops = newOperator(cfg.MaxAgentWeight)
@@ -99,7 +97,7 @@ func New(cfg Config) (*Relay, error) {
 	r.providers = newProviderSet(r)
 	r.stats = newStatsWindow()
 	r.metrics = newMetrics(r)
-	r.reg.onChange = func() { r.metrics.updateRoutable(); r.kickRTT() }
+	r.reg.onChange = func() { r.metrics.updateRoutable() }
 	r.handler = http.HandlerFunc(r.serveHTTP)
 
 	if !cfg.NoP2P {
@@ -155,7 +153,6 @@ func New(cfg Config) (*Relay, error) {
 			// that have nothing to do with joining.
 			r.startP2PAdmission(peerRelays)
 		}
-		r.startRTT()
 		if !cfg.Gossip.Disabled {
 			if err := r.startGossip(); err != nil {
 				_ = r.Close()

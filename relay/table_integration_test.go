@@ -50,6 +50,15 @@ func TestTableAgentsAndProvider(t *testing.T) {
 		startRealAgent(t, rl, n, newITEngine(t, n, "m1"))
 	}
 	waitAgents(t, rl, "gpu1", "gpu2")
+	// Idle agents, no request yet: the liveness probe measures the RTT.
+	waitFor(t, "the agents' RTT", func() bool {
+		for _, row := range rl.r.Table() {
+			if row.Kind == "agent" && (row.Path != "direct" || row.RTTMillis <= 0) {
+				return false
+			}
+		}
+		return true
+	})
 	c := newClient(t, rl.url)
 	for i := range 10 {
 		if code, agent := c.chat("m1", fmt.Sprintf("s%d", i)); code != http.StatusOK || !strings.HasPrefix(agent, "gpu") {
@@ -77,14 +86,6 @@ func TestTableAgentsAndProvider(t *testing.T) {
 	if code, agent := c.chat("m1", "fresh"); code != http.StatusOK || !strings.HasPrefix(agent, "gpu") {
 		t.Fatalf("home back: %d from %s", code, agent)
 	}
-	waitFor(t, "the agents' RTT", func() bool {
-		for _, row := range rl.r.Table() {
-			if row.Kind == "agent" && (row.Path != "direct" || row.RTTMillis <= 0) {
-				return false
-			}
-		}
-		return true
-	})
 	if strings.Contains(logs.String(), "sk-provider-key") {
 		t.Fatal("the provider key reached the logs")
 	}

@@ -1,6 +1,9 @@
 package scheduler
 
-import "testing"
+import (
+	"math/rand/v2"
+	"testing"
+)
 
 // TestAllowIsHard checks that Request.Allow confines every policy to the
 // allowed endpoints, overriding a session mapped elsewhere, and that a
@@ -28,5 +31,38 @@ func TestAllowIsHard(t *testing.T) {
 				t.Fatalf("%+v: want a plain 503", ue)
 			}
 		})
+	}
+}
+
+// TestAdmitsQuickAgreesWithAdmit checks the pick loops' fast path against
+// admit over random endpoint states: whenever it admits, admit admits too,
+// with avoid set exactly for suspects.
+func TestAdmitsQuickAgreesWithAdmit(t *testing.T) {
+	s, _ := newTest(t, Config{}, ep("a"), ep("b"))
+	rng := rand.New(rand.NewPCG(1, 2))
+	now := s.now()
+	quick := 0
+	for range 2000 {
+		a := s.Begin(Request{Model: "m"})
+		e := s.endpoints["a"]
+		e.disabled = rng.IntN(4) == 0
+		e.health.Draining = rng.IntN(4) == 0
+		e.health.Suspect = rng.IntN(2) == 0
+		e.capacity, e.affCap, e.inFlight = rng.IntN(3), rng.IntN(3), rng.IntN(3)
+		e.br = BreakerState(rng.IntN(3))
+		e.openUntil = now + int64(rng.IntN(3)-1)
+		if rng.IntN(4) == 0 {
+			a.mapped = e
+		}
+		if !a.admitsQuick(e, a.clean()) {
+			continue
+		}
+		quick++
+		if ok, avoid := a.admit(e, now, false); !ok || avoid != e.health.Suspect {
+			t.Fatalf("fast path admits %+v, admit says %v %v", e, ok, avoid)
+		}
+	}
+	if quick == 0 {
+		t.Fatal("the fast path admitted nothing")
 	}
 }

@@ -232,6 +232,22 @@ func (a *Attempt) admit(e *endpoint, now int64, checkModel bool) (ok, avoid bool
 	return true, avoid
 }
 
+// admitsQuick reports whether e is admitted by the fast path of the pick
+// loops, equivalent to admit(e, now, false) with avoid = e.health.Suspect
+// in the common case: no exclusions in this attempt (clean, from a.clean),
+// a closed breaker, not the mapped endpoint, a free slot, no key limits.
+// When it reports false the caller asks admit. It is small enough to be
+// inlined, and admit's call stays out of the common case.
+func (a *Attempt) admitsQuick(e *endpoint, clean bool) bool {
+	return clean && e.br == BreakerClosed && e != a.mapped && e.plain()
+}
+
+// clean reports whether the attempt excludes no endpoint yet (nothing dead,
+// used or failed, no allow list), the condition of admitsQuick.
+func (a *Attempt) clean() bool {
+	return len(a.dead)+len(a.used)+len(a.failed) == 0 && a.req.Allow == nil
+}
+
 // Pick chooses an endpoint for the request and reserves a slot on it (and
 // a probe slot if its breaker is half-open). Every returned Choice must be
 // passed to Report. Errors: ErrUnknownModel, or an *UnavailableError.

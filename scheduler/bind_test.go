@@ -178,6 +178,57 @@ func TestSchedulerBind(t *testing.T) {
 	}
 }
 
+// TestSchedulerBindExpiryOrder checks that bindings learned with an older
+// success (a peer's snapshot, most recent first) take their place in the
+// session table's expiry order, so that they expire on time and stop
+// counting towards their endpoint's load.
+func TestSchedulerBindExpiryOrder(t *testing.T) {
+	s, clk := newTest(t, Config{SessionTTL: 5 * time.Minute}, ep("a"), ep("b"))
+	att := s.Begin(Request{Model: "m", SessionKey: "local"})
+	c, err := att.Pick()
+	if err != nil {
+		t.Fatal(err)
+	}
+	att.Report(c, ok200)
+	other := "a"
+	if c.EndpointID == "a" {
+		other = "b"
+	}
+	if !s.Bind("old", other, clk.Now().Add(-4*time.Minute)) {
+		t.Fatal("Bind old failed")
+	}
+	for i := 1; i <= 5; i++ {
+		if !s.Bind(fmt.Sprint("peer", i), c.EndpointID, clk.Now().Add(-time.Duration(i)*time.Second)) {
+			t.Fatal("Bind failed")
+		}
+	}
+	var order []string
+	prev := int64(1 << 62)
+	for i := s.sessions.list.head; i >= 0; i = s.sessions.list.links[i].next {
+		en := s.sessions.ents[i]
+		order = append(order, en.key)
+		if en.last > prev {
+			t.Errorf("session table out of expiry order: %v", order)
+		}
+		prev = en.last
+	}
+	clk.Advance(2 * time.Minute)
+	att = s.Begin(Request{Model: "m"})
+	c2, err := att.Pick() // purges the expired tail
+	if err != nil {
+		t.Fatal(err)
+	}
+	att.Report(c2, ok200)
+	if n := s.sessions.len(); n != 6 {
+		t.Errorf("%d sessions after old expired, want 6 (order %v)", n, order)
+	}
+	for _, st := range s.Snapshot() {
+		if st.ID == other && st.Sessions != 0 {
+			t.Errorf("%s still counts %d sessions after its only one expired", other, st.Sessions)
+		}
+	}
+}
+
 func BenchmarkBindingTableLocal(b *testing.B) {
 	tb := NewBindingTable(0, 100_000)
 	keys := make([]string, 100_000)

@@ -298,3 +298,10 @@ func normalizeHealth(h Health) Health {
 	h.KVCacheUsage = min(h.KVCacheUsage, 1)
 	return h
 }
+
+// plain reports whether e takes a request with no further check: enabled,
+// not removed or draining, a free slot, no key limits.
+func (e *endpoint) plain() bool {
+	return !e.disabled && !e.removed && !e.health.Draining &&
+		(e.capacity == 0 || e.inFlight < e.capacity) && e.keys == nil
+}

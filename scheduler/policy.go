@@ -62,13 +62,10 @@ func compareScores(a, b float64) int {
 // pickScored returns the admitted endpoint with the best sticky score.
 func (a *Attempt) pickScored(g *group, now int64) *endpoint {
 	sel := selector{s: a.s, byInFlight: true}
-	clean := len(a.dead)+len(a.used)+len(a.failed) == 0 && a.req.Allow == nil
+	clean := a.clean()
 	sc := a.s.scoreContext(now)
 	for _, e := range g.eps {
-		// Fast path for the common case, equivalent to admit: a closed
-		// breaker, no exclusions in this attempt, a free slot.
-		ok, avoid := e.br == BreakerClosed && clean && !e.disabled && !e.removed && e != a.mapped &&
-			!e.health.Draining && (e.capacity == 0 || e.inFlight < e.capacity) && e.keys == nil, e.health.Suspect
+		ok, avoid := a.admitsQuick(e, clean), e.health.Suspect
 		if !ok {
 			ok, avoid = a.admit(e, now, false)
 		}

@@ -70,7 +70,7 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 	key := chain[min(hrwBlocks, len(chain))-1]
 
 	sc := s.scoreContext(now)
-	clean := len(a.dead)+len(a.used)+len(a.failed) == 0 && a.req.Allow == nil
+	clean := a.clean()
 	minLoad, maxLoad := -1, 0
 	inFlight, act := 0, 0
 	for _, e := range g.eps {
@@ -89,8 +89,7 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 	leastAvoid := false
 	minSLoad, minBacklog := -1.0, -1.0
 	for _, e := range g.eps {
-		ok, avoid := e.br == BreakerClosed && clean && !e.disabled && !e.removed && e != a.mapped &&
-			!e.health.Draining && (e.capacity == 0 || e.inFlight < e.capacity) && e.keys == nil, e.health.Suspect
+		ok, avoid := a.admitsQuick(e, clean), e.health.Suspect
 		if !ok {
 			ok, avoid = a.admit(e, now, false)
 		}

@@ -46,9 +46,12 @@ func (t *sessionTable) lookup(key string, now int64) *endpoint {
 	return en.ep
 }
 
-// touch maps key to ep as of now and makes it the most recent entry.
+// touch maps key to ep as of now and makes it the most recent entry, or,
+// for a success older than the newest (a binding learned from a peer),
+// places it in order of last success (see place).
 func (t *sessionTable) touch(key string, ep *endpoint, now int64) {
-	if i, ok := t.index[key]; ok {
+	i, ok := t.index[key]
+	if ok {
 		en := &t.ents[i]
 		if en.ep != ep {
 			en.ep.sessions--
@@ -57,20 +60,50 @@ func (t *sessionTable) touch(key string, ep *endpoint, now int64) {
 		en.ep = ep
 		en.last = now
 		t.list.touch(i)
-		return
-	}
-	t.purge(now)
-	for len(t.index) >= t.max && t.list.tail >= 0 {
-		t.delete(t.list.tail)
-	}
-	i, grew := t.list.alloc()
-	if grew {
-		t.ents = append(t.ents, sessionEntry{key: key, ep: ep, last: now})
 	} else {
-		t.ents[i] = sessionEntry{key: key, ep: ep, last: now}
+		t.purge(now)
+		for len(t.index) >= t.max && t.list.tail >= 0 {
+			t.delete(t.list.tail)
+		}
+		var grew bool
+		i, grew = t.list.alloc()
+		if grew {
+			t.ents = append(t.ents, sessionEntry{key: key, ep: ep, last: now})
+		} else {
+			t.ents[i] = sessionEntry{key: key, ep: ep, last: now}
+		}
+		ep.sessions++
+		t.index[key] = i
 	}
-	ep.sessions++
-	t.index[key] = i
+	if next := t.list.links[i].next; next >= 0 && t.ents[next].last > now {
+		t.place(i, next) // out of order; in order is the common case, a local success
+	}
+}
+
+// place moves entry i, just put at the front before next, which has a later
+// success, back behind the entries with a later success, so that the list
+// stays in expiry order. It searches from the end nearer in time, at most
+// maxPurge steps; past that the entry stays where the search stopped, and
+// it or a neighbour expires a little late, never early (lookup checks the
+// TTL itself).
+func (t *sessionTable) place(i, next int32) {
+	last := t.ents[i].last
+	p := next // the entry i goes behind: the last one with a later success
+	if tail := t.list.tail; last-t.ents[tail].last < t.ents[next].last-last {
+		p = tail
+		for n := 0; n < maxPurge && p != next && t.ents[p].last <= last; n++ {
+			p = t.list.links[p].prev
+		}
+	} else {
+		for n := 0; n < maxPurge; n++ {
+			q := t.list.links[p].next
+			if q < 0 || t.ents[q].last <= last {
+				break
+			}
+			p = q
+		}
+	}
+	t.list.moveAfter(i, p)
 }
 
 // evictIf forgets key if it maps to ep.

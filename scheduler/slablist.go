@@ -46,6 +46,22 @@ func (l *slabList) touch(n int32) {
 	l.pushFront(n)
 }
 
+// moveAfter moves slot n to just behind slot p (towards the tail).
+func (l *slabList) moveAfter(n, p int32) {
+	if n == p {
+		return
+	}
+	l.unlink(n)
+	nx := l.links[p].next
+	l.links[n] = slabLink{prev: p, next: nx}
+	l.links[p].next = n
+	if nx >= 0 {
+		l.links[nx].prev = n
+	} else {
+		l.tail = n
+	}
+}
+
 func (l *slabList) unlink(n int32) {
 	lk := &l.links[n]
 	if lk.prev >= 0 {
