@@ -45,8 +45,10 @@ func FuzzJSONString(f *testing.F) {
 // it sent, not for what it announced. (The server's body reader fails such
 // a body as cut short; this reader just ends.)
 func TestReadBodyTrustsNoDeclaredLength(t *testing.T) {
+	// The measure is the process's, other tests' goroutines included:
+	// the bound is far below the declared length, not tight.
 	const declared = 30 << 20
-	for _, sent := range []int{10, 2 << 20} {
+	for _, sent := range []int{10, 64 << 10} {
 		r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", io.LimitReader(zeros{}, int64(sent)))
 		r.ContentLength = declared
 		var before, after runtime.MemStats
@@ -56,7 +58,7 @@ func TestReadBodyTrustsNoDeclaredLength(t *testing.T) {
 		if err != nil || len(b) != sent {
 			t.Fatalf("sent %d of %d declared bytes: read %d, %v", sent, declared, len(b), err)
 		}
-		if got := after.TotalAlloc - before.TotalAlloc; got > uint64(4*sent)+(1<<20) {
+		if got := after.TotalAlloc - before.TotalAlloc; got > 8<<20 {
 			t.Errorf("sent %d of %d declared bytes: allocated %d bytes", sent, declared, got)
 		}
 	}

@@ -159,7 +159,9 @@ func TestReadBodyTrustsNoDeclaredLength(t *testing.T) {
 	if len(b) != sent {
 		t.Fatalf("read %d bytes, want %d", len(b), sent)
 	}
-	if got := after.TotalAlloc - before.TotalAlloc; got > 1<<20 {
+	// The process's measure, other goroutines included: far below the
+	// declared length, not tight.
+	if got := after.TotalAlloc - before.TotalAlloc; got > 8<<20 {
 		t.Errorf("allocated %d bytes for a %d-byte body announced as %d", got, sent, declared)
 	}
 }
