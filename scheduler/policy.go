@@ -229,6 +229,19 @@ const prefixKeyBlocks = 16
 
 func prefixKey(chain []uint64) uint64 { return mix64(chain[min(prefixKeyBlocks, len(chain))-1]) }
 
+// anyUnavoided reports whether g has an admitted endpoint not to be
+// avoided. The policies that rank endpoints by a rule of their own
+// (dualmap, sglang) then leave the avoided ones (suspect, or failed in this
+// request) out, as every other policy prefers the rest.
+func (a *Attempt) anyUnavoided(g *group, now int64) bool {
+	for _, e := range g.eps {
+		if ok, avoid := a.admit(e, now, false); ok && !avoid {
+			return true
+		}
+	}
+	return false
+}
+
 // pickPrefixHash walks the ring from the prefix's hash.
 func (a *Attempt) pickPrefixHash(g *group, now int64) *endpoint {
 	if len(a.req.Prefix) == 0 {
@@ -247,8 +260,9 @@ func (a *Attempt) pickDualMap(g *group, now int64) *endpoint {
 	key := prefixKey(a.req.Prefix)
 	var c1, c2 *endpoint
 	var h1, h2 uint64
+	skipAvoided := a.anyUnavoided(g, now)
 	for _, e := range g.eps {
-		if ok, _ := a.admit(e, now, false); !ok {
+		if ok, avoid := a.admit(e, now, false); !ok || avoid && skipAvoided {
 			continue
 		}
 		switch h := mix64(key ^ e.idHash); {
@@ -278,8 +292,9 @@ func (a *Attempt) pickSGLang(g *group, now int64) (*endpoint, int) {
 	minLoad, maxLoad := -1, 0
 	var shortest, matched, smallest *endpoint
 	bestMatch := 0
+	skipAvoided := a.anyUnavoided(g, now)
 	for _, e := range g.eps {
-		if ok, _ := a.admit(e, now, false); !ok {
+		if ok, avoid := a.admit(e, now, false); !ok || avoid && skipAvoided {
 			continue
 		}
 		if e.tree == nil {
