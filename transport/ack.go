@@ -48,17 +48,48 @@ func WithAck(ctx context.Context, onAck func()) context.Context {
 // map of its own until its response head is written: net/http writes the
 // current header map with a 1xx status, and the handler may be filling it
 // just then.
+//
+// ackWriters are reused (ackWriters): the writer, its header map and its
+// timer with the timer's function were four allocations per request, the
+// same from one request to the next. A writer goes back to the pool only
+// once its timer can no longer fire (a Stop that stopped it, or its ack
+// sent) and its handler returned: net/http's rule that a ResponseWriter is
+// not used after ServeHTTP returns is what makes the reuse safe. The
+// request body's reader is not pooled: a round tripper may still read a
+// request body after its RoundTrip returned (http.Transport writes it from
+// a goroutine of its own), so a handler that forwards it could have it read
+// after the handler returned.
 type ackWriter struct {
 	w     http.ResponseWriter
 	mu    sync.Mutex
 	h     http.Header // the handler's header until the head is written
 	head  bool        // the response head is written (or the handler returned)
+	idle  bool        // the timer can no longer fire: stopped, or its ack ran
 	timer *time.Timer
+	own   http.Header // the header map of the handler's own, reused
 }
 
+// ackWriters holds ackWriters whose handler returned and whose timer is
+// stopped.
+var ackWriters sync.Pool
+
+// maxPooledHeader bounds the header map of a pooled writer (a handler that
+// set many headers leaves a map that stays large).
+const maxPooledHeader = 32
+
 func newAckWriter(w http.ResponseWriter) *ackWriter {
-	a := &ackWriter{w: w, h: make(http.Header)}
-	a.timer = time.AfterFunc(AckDelay, a.ack)
+	a, _ := ackWriters.Get().(*ackWriter)
+	if a == nil {
+		a = &ackWriter{own: make(http.Header)}
+	}
+	a.mu.Lock()
+	a.w, a.h, a.head, a.idle = w, a.own, false, false
+	a.mu.Unlock()
+	if a.timer == nil {
+		a.timer = time.AfterFunc(AckDelay, a.ack)
+	} else {
+		a.timer.Reset(AckDelay)
+	}
 	return a
 }
 
@@ -68,15 +99,31 @@ func (a *ackWriter) ack() {
 	if !a.head {
 		a.w.WriteHeader(AckStatus)
 	}
+	a.idle = true
 	a.mu.Unlock()
 }
 
-// done ends the ack's chance: the handler returned.
+// stopTimer stops the ack's timer; mu is held.
+func (a *ackWriter) stopTimer() {
+	if !a.idle && a.timer.Stop() {
+		a.idle = true
+	}
+}
+
+// done ends the ack's chance, the handler having returned, and puts the
+// writer back in the pool when its timer can no longer fire.
 func (a *ackWriter) done() {
-	a.timer.Stop()
 	a.mu.Lock()
+	a.stopTimer()
 	a.head = true
+	reuse := a.idle && len(a.own) <= maxPooledHeader
+	a.w, a.h = nil, nil
 	a.mu.Unlock()
+	if !reuse {
+		return
+	}
+	clear(a.own)
+	ackWriters.Put(a)
 }
 
 // Header returns the handler's header map: its own until the head is
@@ -93,7 +140,7 @@ func (a *ackWriter) writeHead() {
 		return
 	}
 	a.head = true
-	a.timer.Stop()
+	a.stopTimer()
 	dst := a.w.Header()
 	for k, v := range a.h {
 		dst[k] = v
@@ -135,6 +182,9 @@ func (a *ackWriter) FlushError() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.writeHead()
+	if f, ok := a.w.(interface{ FlushError() error }); ok {
+		return f.FlushError() // net/http's writer, without a ResponseController
+	}
 	return http.NewResponseController(a.w).Flush()
 }
 

@@ -165,3 +165,51 @@ func TestReadBodyTrustsNoDeclaredLength(t *testing.T) {
 		t.Errorf("allocated %d bytes for a %d-byte body announced as %d", got, sent, declared)
 	}
 }
+
+// TestAckWritersReused alternates slow and fast requests on one stream, so
+// that writers come back from the pool after an ack and after a stopped
+// timer: a fast answer still gets no ack, and no header of an earlier
+// request reaches a later one.
+func TestAckWritersReused(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/slow" {
+			w.Header().Set("X-Slow", "1")
+			time.Sleep(3 * AckDelay)
+		}
+		io.WriteString(w, "answer "+r.URL.Path)
+	}), cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	base := "http://" + srv.ID().String()
+	fastAcked := 0
+	for i := 0; i < 8; i++ {
+		for _, path := range []string{"/slow", "/fast", "/fast"} {
+			var acked atomic.Bool
+			ctx := WithAck(context.Background(), func() { acked.Store(true) })
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+path, strings.NewReader(`{"a":1}`))
+			resp, err := client.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if string(b) != "answer "+path {
+				t.Fatalf("%s: body %q", path, b)
+			}
+			slowHeader := resp.Header.Get("X-Slow") != ""
+			switch {
+			case path == "/slow" && (!acked.Load() || !slowHeader):
+				t.Fatalf("slow request: acked %v, header %v", acked.Load(), resp.Header)
+			case path == "/fast" && slowHeader:
+				t.Fatalf("a fast answer carries an earlier request's header: %v", resp.Header)
+			case path == "/fast" && acked.Load():
+				fastAcked++
+			}
+		}
+	}
+	// The machine may stall a request past AckDelay; not most of them.
+	if fastAcked > 8 {
+		t.Fatalf("%d of 16 immediate answers came with an ack", fastAcked)
+	}
+}
