@@ -196,14 +196,17 @@ func removeHopHeaders(h http.Header) {
 var emptyUserAgent = []string{""}
 
 // outHeader returns the header for the engine: in's without hop-by-hop
-// headers, forwarding headers and credentials, with the engine's key. The
+// headers, forwarding headers, credentials and Content-Length (the
+// request's ContentLength is sent, and a rewritten body has another), with
+// the engine's key. The
 // values are in's, shared, not copied: neither side changes them.
 func (a *Agent) outHeader(in http.Header) http.Header {
 	h := make(http.Header, len(in)+1)
 	for k, vv := range in {
 		switch {
 		case hopHeader(k), k == "Authorization", k == "Forwarded",
-			k == "X-Forwarded-For", k == "X-Forwarded-Host", k == "X-Forwarded-Proto":
+			k == "X-Forwarded-For", k == "X-Forwarded-Host", k == "X-Forwarded-Proto",
+			k == "Content-Length": // the request's field is what is sent
 			continue
 		}
 		h[k] = vv
@@ -270,8 +273,24 @@ func singleJoiningSlash(a, b string) string {
 
 // ServeHTTP serves the relay's requests: the OpenAI endpoints listed in
 // servedPaths go to the engine with the upstream API key; anything else is
-// 404. It is the handler given to transport.ServeHTTP.
+// 404. The agent is the handler given to transport.ServeHTTP, which calls
+// ServeHTTPBody.
 func (a *Agent) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	a.serve(w, r, nil)
+}
+
+// ServeHTTPBody is ServeHTTP for a request whose body the stream server
+// read already (transport.BodyHandler): the prompt is hashed from body
+// rather than from a copy of it.
+func (a *Agent) ServeHTTPBody(w http.ResponseWriter, r *http.Request, body []byte) {
+	if body == nil {
+		body = []byte{} // read already, and empty
+	}
+	a.serve(w, r, body)
+}
+
+// serve serves r; body is its body when read already (non-nil), else nil.
+func (a *Agent) serve(w http.ResponseWriter, r *http.Request, body []byte) {
 	method, ok := servedPaths[r.URL.Path]
 	if !ok {
 		method, ok = a.optionalRoute(r.URL.Path, r.Method) // engine.go
@@ -299,7 +318,7 @@ func (a *Agent) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	var st *servedReq
 	if method == http.MethodPost && r.URL.Path != "/v1/embeddings" {
-		st = a.indexRequest(r) // prefix index (usage.go)
+		st = a.indexRequest(r, body) // prefix index (usage.go)
 	}
 	a.forward(w, r, st)
 }

@@ -34,31 +34,42 @@ type servedReq struct {
 	reader bytes.Reader // the request body forwarded
 }
 
-// indexRequest reads r's body, hashes its prompt for the index and, for a
-// stream whose client did not ask for usage, asks the engine for it: it
-// sets r's body to the one to forward and returns the request's prefix
-// state (nil when not indexed).
-func (a *Agent) indexRequest(r *http.Request) *servedReq {
+// indexRequest hashes r's prompt for the index and, for a stream whose
+// client did not ask for usage, asks the engine for it: it sets r's body to
+// the one to forward and returns the request's prefix state (nil when not
+// indexed). body is r's body when the stream server read it already
+// (transport.BodyHandler; r.Body then reads the same bytes and is
+// forwarded as it is unless rewritten); nil means indexRequest reads r.Body.
+func (a *Agent) indexRequest(r *http.Request, body []byte) *servedReq {
 	if a.index == nil || r.Body == nil {
 		return nil
 	}
-	body, err := readBody(r)
-	if err != nil || len(body) > maxHashedBody {
-		// Forward what was read and the rest as it comes, unhashed.
-		r.Body = struct {
-			io.Reader
-			io.Closer
-		}{io.MultiReader(bytes.NewReader(body), r.Body), r.Body}
+	buffered := body != nil
+	if !buffered {
+		var err error
+		body, err = readBody(r)
+		if err != nil || len(body) > maxHashedBody {
+			// Forward what was read and the rest as it comes, unhashed.
+			r.Body = struct {
+				io.Reader
+				io.Closer
+			}{io.MultiReader(bytes.NewReader(body), r.Body), r.Body}
+			return nil
+		}
+	} else if len(body) > maxHashedBody {
 		return nil
 	}
 	st := &servedReq{chain: scheduler.PromptBlocks(nil, body, a.index.cfg.Prefix)}
-	if out, ok := askUsage(body); ok {
+	out, rewritten := askUsage(body)
+	if rewritten {
 		body, st.strip = out, true
-		r.Header.Set("Content-Length", strconv.Itoa(len(body)))
+	} else if buffered {
+		return st // r.Body reads body, unread
 	}
 	st.reader.Reset(body)
 	// io.NopCloser over a *bytes.Reader: net/http sees a body in memory and
-	// writes the request in one write.
+	// writes the request in one write. The request's Content-Length field
+	// is what goes out (its Header's is never written: outHeader drops it).
 	r.Body = io.NopCloser(&st.reader)
 	r.ContentLength = int64(len(body))
 	return st

@@ -119,7 +119,15 @@ func chatReq(system string, stream, includeUsage bool) string {
 	return string(b)
 }
 
+// TestAgentIndexesServedRequests runs the agent's handler as a plain
+// handler (ServeHTTP reads the body) and as transport.ServeHTTP calls it
+// (ServeHTTPBody, the body read already).
 func TestAgentIndexesServedRequests(t *testing.T) {
+	t.Run("ServeHTTP", func(t *testing.T) { testAgentIndexes(t, false) })
+	t.Run("ServeHTTPBody", func(t *testing.T) { testAgentIndexes(t, true) })
+}
+
+func testAgentIndexes(t *testing.T, buffered bool) {
 	eng := &usageEngine{prompt: 2000, cached: 0}
 	a := newIndexedAgent(t, eng, 64*64)
 	system := strings.Repeat("the same long system prompt ", 400) // about 11 KiB
@@ -130,7 +138,15 @@ func TestAgentIndexesServedRequests(t *testing.T) {
 	serve := func(body string) *httptest.ResponseRecorder {
 		rec := httptest.NewRecorder()
 		req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body))
-		a.ServeHTTP(rec, req)
+		if buffered {
+			a.ServeHTTPBody(rec, req, []byte(body))
+		} else {
+			a.ServeHTTP(rec, req)
+		}
+		rewritten := strings.Contains(body, `"stream":true`) && !strings.Contains(body, `"include_usage"`)
+		if got := eng.lastBody(); !rewritten && got != body {
+			t.Fatalf("the engine got %q for %q", got, body)
+		}
 		if rec.Code != http.StatusOK {
 			t.Fatalf("status %d: %s", rec.Code, rec.Body)
 		}

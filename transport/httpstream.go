@@ -67,7 +67,7 @@ func PeerFromContext(ctx context.Context) (peer.ID, bool) {
 //
 // Every request is acknowledged with AckStatus once it has been held for
 // AckDelay from its header on (body read or not) without a response head
-// (see WithAck).
+// (see WithAck). A handler that is a BodyHandler gets the body's bytes.
 func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (io.Closer, error) {
 	if allow == nil {
 		allow = func(peer.ID) bool { return false }
@@ -106,14 +106,29 @@ func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (io.
 	return s, nil
 }
 
+// BodyHandler is a handler that takes the request body ServeHTTP read as
+// bytes, for a handler that reads it whole anyway (to scan it, hash it) and
+// would otherwise copy it once more out of r.Body. ServeHTTP calls
+// ServeHTTPBody instead of ServeHTTP when its handler is one: body holds
+// what r.Body reads (r.Body is set as for any handler, not read yet), nil
+// when the request has no body. The handler may keep body but must not
+// change it.
+type BodyHandler interface {
+	http.Handler
+	ServeHTTPBody(w http.ResponseWriter, r *http.Request, body []byte)
+}
+
 func bufferBody(next http.Handler) http.Handler {
+	bh, _ := next.(BodyHandler)
 	return http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		// From the header on: the client's liveness bound ignores the
 		// body's size.
 		w := newAckWriter(rw)
 		defer w.done()
+		var b []byte
 		if r.Body != nil && r.Body != http.NoBody {
-			b, err := readBody(rw, r)
+			var err error
+			b, err = readBody(rw, r)
 			if err != nil {
 				var tooBig *http.MaxBytesError
 				if errors.As(err, &tooBig) {
@@ -123,8 +138,15 @@ func bufferBody(next http.Handler) http.Handler {
 				}
 				return
 			}
+			// io.NopCloser over a *bytes.Reader: net/http knows the body
+			// is in memory and writes a request carrying it on in one
+			// write.
 			r.Body = io.NopCloser(bytes.NewReader(b))
 			r.ContentLength = int64(len(b))
+		}
+		if bh != nil {
+			bh.ServeHTTPBody(w, r, b)
+			return
 		}
 		next.ServeHTTP(w, r)
 	})

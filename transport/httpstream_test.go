@@ -415,3 +415,48 @@ func TestHTTPStaleIdleStreamIsReplaced(t *testing.T) {
 		t.Fatalf("after the server restarted: %q, %v", got, err)
 	}
 }
+
+// bodyHandler is a BodyHandler recording what it was given.
+type bodyHandler struct {
+	got chan string
+}
+
+func (h bodyHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	h.got <- "ServeHTTP"
+}
+
+func (h bodyHandler) ServeHTTPBody(w http.ResponseWriter, r *http.Request, body []byte) {
+	rest, _ := io.ReadAll(r.Body)
+	h.got <- fmt.Sprintf("%s|%s|%d", body, rest, r.ContentLength)
+	io.WriteString(w, "ok")
+}
+
+// TestBodyHandlerGetsTheBody: a BodyHandler is given the body read whole,
+// and r.Body still reads it.
+func TestBodyHandlerGetsTheBody(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	h := bodyHandler{got: make(chan string, 4)}
+	serve(t, srv, h, cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	base := "http://" + srv.ID().String()
+	for _, tc := range []struct{ method, body, want string }{
+		{http.MethodPost, `{"a":1}`, `{"a":1}|{"a":1}|7`},
+		{http.MethodGet, "", "||0"},
+	} {
+		var body io.Reader
+		if tc.body != "" {
+			body = strings.NewReader(tc.body)
+		}
+		req, _ := http.NewRequest(tc.method, base+"/x", body)
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if got := <-h.got; got != tc.want || string(b) != "ok" {
+			t.Fatalf("%s: handler got %q (want %q), answer %q", tc.method, got, tc.want, b)
+		}
+	}
+}
