@@ -195,34 +195,38 @@ func removeHopHeaders(h http.Header) {
 // request had none.
 var emptyUserAgent = []string{""}
 
-// outHeader returns the header for the engine: in's without hop-by-hop
-// headers, forwarding headers, credentials and Content-Length (the
-// request's ContentLength is sent, and a rewritten body has another), with
-// the engine's key. The
-// values are in's, shared, not copied: neither side changes them.
-func (a *Agent) outHeader(in http.Header) http.Header {
-	h := make(http.Header, len(in)+1)
-	for k, vv := range in {
-		switch {
-		case hopHeader(k), k == "Authorization", k == "Forwarded",
-			k == "X-Forwarded-For", k == "X-Forwarded-Host", k == "X-Forwarded-Proto",
-			k == "Content-Length": // the request's field is what is sent
-			continue
+// outHeader turns h, the relay's request header, into the header for the
+// engine, in place: without hop-by-hop headers, forwarding headers,
+// credentials and Content-Length (the request's ContentLength is sent, and
+// a rewritten body has another), with the engine's key. It used to build a
+// new map per request; the relay's request is the agent's own, and net/http
+// lets a handler change its request's header (it reads what it needs of it
+// before the handler runs).
+func (a *Agent) outHeader(h http.Header) http.Header {
+	te := false
+	for _, v := range h["Te"] {
+		if strings.EqualFold(textproto.TrimString(v), "trailers") {
+			te = true // as ReverseProxy: the one Te that passes
+			break
 		}
-		h[k] = vv
 	}
-	for _, f := range in["Connection"] {
+	for _, f := range h["Connection"] {
 		for sf := range strings.SplitSeq(f, ",") {
 			if sf = textproto.TrimString(sf); sf != "" {
 				h.Del(sf)
 			}
 		}
 	}
-	for _, v := range in["Te"] {
-		if strings.EqualFold(textproto.TrimString(v), "trailers") {
-			h["Te"] = teTrailers // as ReverseProxy: the one Te that passes
-			break
+	for k := range h {
+		switch {
+		case hopHeader(k), k == "Authorization", k == "Forwarded",
+			k == "X-Forwarded-For", k == "X-Forwarded-Host", k == "X-Forwarded-Proto",
+			k == "Content-Length": // the request's field is what is sent
+			delete(h, k)
 		}
+	}
+	if te {
+		h["Te"] = teTrailers
 	}
 	if a.authValue != nil {
 		h["Authorization"] = a.authValue

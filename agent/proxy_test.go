@@ -4,9 +4,12 @@ import (
 	"bufio"
 	"encoding/json"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/textproto"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -182,5 +185,65 @@ func TestForwardAbortsCutAnswer(t *testing.T) {
 	b, err := io.ReadAll(resp.Body)
 	if err == nil {
 		t.Fatalf("the cut answer ended cleanly: %q", b)
+	}
+}
+
+// outHeaderCopy is outHeader as it was when it built a new map: the
+// reference the in-place version keeps to.
+func outHeaderCopy(authValue []string, in http.Header) http.Header {
+	h := make(http.Header, len(in)+1)
+	for k, vv := range in {
+		switch {
+		case hopHeader(k), k == "Authorization", k == "Forwarded",
+			k == "X-Forwarded-For", k == "X-Forwarded-Host", k == "X-Forwarded-Proto",
+			k == "Content-Length":
+			continue
+		}
+		h[k] = vv
+	}
+	for _, f := range in["Connection"] {
+		for sf := range strings.SplitSeq(f, ",") {
+			if sf = textproto.TrimString(sf); sf != "" {
+				h.Del(sf)
+			}
+		}
+	}
+	for _, v := range in["Te"] {
+		if strings.EqualFold(textproto.TrimString(v), "trailers") {
+			h["Te"] = teTrailers
+			break
+		}
+	}
+	if authValue != nil {
+		h["Authorization"] = authValue
+	}
+	if _, ok := h["User-Agent"]; !ok {
+		h["User-Agent"] = emptyUserAgent
+	}
+	return h
+}
+
+// TestOutHeaderInPlace: the header outHeader makes in place of the relay's
+// is the one a fresh map got, for random mixes of hop-by-hop, forwarding,
+// credential and end-to-end fields, Connection naming some of them.
+func TestOutHeaderInPlace(t *testing.T) {
+	names := []string{"Connection", "Keep-Alive", "Te", "Trailer", "Transfer-Encoding", "Upgrade",
+		"Proxy-Authorization", "Authorization", "Forwarded", "X-Forwarded-For", "X-Forwarded-Proto",
+		"Content-Length", "Content-Type", "User-Agent", "X-Client", "X-Hop", "Accept"}
+	values := []string{"trailers", "x-hop, X-Client", "Te", "1", " Trailers ", "keep-alive, user-agent", "Authorization"}
+	rnd := rand.New(rand.NewPCG(1, 2))
+	for _, key := range [][]string{nil, {"Bearer engine"}} {
+		a := &Agent{authValue: key}
+		for i := 0; i < 2000; i++ {
+			in := http.Header{}
+			for n := rnd.IntN(8); n > 0; n-- {
+				k := names[rnd.IntN(len(names))]
+				in[k] = append(in[k], values[rnd.IntN(len(values))])
+			}
+			want := outHeaderCopy(key, in.Clone())
+			if got := a.outHeader(in.Clone()); !reflect.DeepEqual(got, want) {
+				t.Fatalf("header %v:\nin place %v\nfresh    %v", in, got, want)
+			}
+		}
 	}
 }
