@@ -32,12 +32,15 @@ var copyBuffers = &bufferPool{}
 // the network itself.
 type bufferPool struct{ p sync.Pool }
 
+// copyBufferSize is the size of copyBuffers' buffers.
+const copyBufferSize = 32 << 10
+
 // get returns a 32 KiB buffer.
 func (b *bufferPool) get() *[]byte {
 	if v, ok := b.p.Get().(*[]byte); ok {
 		return v
 	}
-	buf := make([]byte, 32<<10)
+	buf := make([]byte, copyBufferSize)
 	return &buf
 }
 

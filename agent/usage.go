@@ -358,6 +358,13 @@ const maxPooledKept = 64 << 10
 // usage chunk, which it drops when strip is set (the client did not ask for
 // it). Events are cut at blank lines ("\n\n"). When the answer has been
 // read to its end, its usage (if any) corrects index for chain.
+//
+// A stream is read into one buffer (from copyBuffers, grown for an event
+// longer than it, up to maxUsageEvent) and handed to the reader from there,
+// its complete events first checked for usage: buf[lo:ready] is checked and
+// waits for the reader, buf[ready:hi] is an event not complete yet. A
+// dropped usage chunk is cut out of the buffer. An event longer than
+// maxUsageEvent passes through unread.
 type usageBody struct {
 	rc     io.ReadCloser
 	sse    bool
@@ -366,20 +373,24 @@ type usageBody struct {
 	chain  []uint64
 	length int64 // the answer's Content-Length, -1 when unknown
 
-	in     []byte // stream bytes not yet cut into events
-	out    []byte // bytes ready for the reader
-	outPos int
-	rbuf   *[]byte // from copyBuffers
-	err    error   // the upstream's read error, once seen
-	kept   *[]byte // from keptBuffers
-	over   bool    // the JSON answer was larger than maxUsageJSON
-	u      usage
-	done   bool // the usage was reported (or the answer cut short)
+	buf           *[]byte // the stream's bytes; from copyBuffers unless grown
+	lo, ready, hi int
+	err           error   // the upstream's read error, once seen
+	kept          *[]byte // from keptBuffers
+	over          bool    // the JSON answer was larger than maxUsageJSON
+	u             usage
+	done          bool // the usage was reported (or the answer cut short)
 }
 
 func (b *usageBody) Read(p []byte) (int, error) {
 	if !b.sse {
 		n, err := b.rc.Read(p)
+		if err == io.EOF && b.kept == nil && !b.done {
+			// The whole answer in one read (the usual small answer): its
+			// usage is read where it is, not from a copy.
+			b.finishJSON(p[:n])
+			return n, err
+		}
 		if !b.over && !b.done {
 			b.keep(p[:n])
 		}
@@ -389,32 +400,60 @@ func (b *usageBody) Read(p []byte) (int, error) {
 		return n, err
 	}
 	for {
-		if b.outPos < len(b.out) {
-			n := copy(p, b.out[b.outPos:])
-			b.outPos += n
+		if b.lo < b.ready {
+			n := copy(p, (*b.buf)[b.lo:b.ready])
+			b.lo += n
 			return n, nil
 		}
 		if b.err != nil {
+			if b.lo < b.hi {
+				b.ready = b.hi // an event cut short passes as it is
+				continue
+			}
 			if b.err == io.EOF {
 				b.finish()
 			}
 			return 0, b.err
 		}
-		b.out, b.outPos = b.out[:0], 0
-		if b.rbuf == nil {
-			b.rbuf = copyBuffers.get()
+		b.fill()
+	}
+}
+
+// fill reads more of a stream and checks the events it completes; the
+// reader has taken everything before b.ready.
+func (b *usageBody) fill() {
+	if b.buf == nil {
+		b.buf = copyBuffers.get()
+	}
+	buf := *b.buf
+	if b.lo > 0 {
+		b.hi = copy(buf, buf[b.lo:b.hi])
+		b.lo, b.ready = 0, 0
+	}
+	if b.hi == len(buf) {
+		if len(buf) >= maxUsageEvent {
+			b.ready = b.hi // too long to be held back: passed on unread
+			return
 		}
-		n, err := b.rc.Read(*b.rbuf)
-		b.in = append(b.in, (*b.rbuf)[:n]...)
-		b.cut()
-		if err != nil {
-			b.out = append(b.out, b.in...)
-			b.in = b.in[:0]
-			b.err = err
-		} else if len(b.in) > maxUsageEvent {
-			b.out = append(b.out, b.in...)
-			b.in = b.in[:0]
+		grown := make([]byte, min(2*len(buf), maxUsageEvent))
+		copy(grown, buf[:b.hi])
+		b.putBuf()
+		b.buf, buf = &grown, grown
+	}
+	n, err := b.rc.Read(buf[b.hi:])
+	b.hi += n
+	b.err = err
+	for {
+		i := bytes.Index(buf[b.ready:b.hi], []byte("\n\n"))
+		if i < 0 {
+			return
 		}
+		end := b.ready + i + 2
+		if b.usageOnly(buf[b.ready:end]) && b.strip {
+			b.hi = b.ready + copy(buf[b.ready:], buf[end:b.hi])
+			continue
+		}
+		b.ready = end
 	}
 }
 
@@ -439,25 +478,6 @@ func (b *usageBody) keep(p []byte) {
 	*b.kept = append(*b.kept, p...)
 }
 
-// cut moves the complete events of b.in to b.out, reading (and maybe
-// dropping) the usage chunk.
-func (b *usageBody) cut() {
-	start := 0
-	for {
-		i := bytes.Index(b.in[start:], []byte("\n\n"))
-		if i < 0 {
-			break
-		}
-		ev := b.in[start : start+i+2]
-		start += i + 2
-		if b.usageOnly(ev) && b.strip {
-			continue
-		}
-		b.out = append(b.out, ev...)
-	}
-	b.in = b.in[:copy(b.in, b.in[start:])]
-}
-
 // usageOnly reads an event's usage and reports whether the event is a
 // usage chunk (no choices).
 func (b *usageBody) usageOnly(ev []byte) bool {
@@ -465,9 +485,17 @@ func (b *usageBody) usageOnly(ev []byte) bool {
 		return false
 	}
 	var data []byte
+	lines := 0
 	for line := range bytes.Lines(ev) {
 		if d, ok := bytes.CutPrefix(line, []byte("data:")); ok {
-			data = append(data, bytes.TrimSpace(d)...)
+			if lines++; lines == 1 {
+				data = bytes.TrimSpace(d) // the usual single line: no copy
+			} else {
+				if lines == 2 {
+					data = append([]byte(nil), data...)
+				}
+				data = append(data, bytes.TrimSpace(d)...)
+			}
 		}
 	}
 	u, noChoices, ok := readUsage(data)
@@ -480,15 +508,25 @@ func (b *usageBody) usageOnly(ev []byte) bool {
 
 // finish reads the usage of a non-streamed answer and reports it, once.
 func (b *usageBody) finish() {
+	if b.sse || b.over {
+		b.finishJSON(nil)
+		return
+	}
+	var kept []byte
+	if b.kept != nil {
+		kept = *b.kept
+	}
+	b.finishJSON(kept)
+}
+
+// finishJSON reports the usage, once: for a non-streamed answer (not over
+// the bound) read from answer, for a stream the one its chunk gave.
+func (b *usageBody) finishJSON(answer []byte) {
 	if b.done {
 		return
 	}
 	if !b.sse && !b.over {
-		var kept []byte
-		if b.kept != nil {
-			kept = *b.kept
-		}
-		if u, _, ok := readUsage(kept); ok {
+		if u, _, ok := readUsage(answer); ok {
 			b.u = u
 		}
 	}
@@ -508,17 +546,24 @@ func (b *usageBody) release() {
 		}
 		b.kept = nil
 	}
-	if b.rbuf != nil && b.err != nil {
-		// Read has returned the upstream's error: it reads no more.
-		copyBuffers.put(b.rbuf)
-		b.rbuf = nil
+	if b.err != nil {
+		b.putBuf() // Read has returned the upstream's error: it reads no more
 	}
+}
+
+// putBuf gives the stream's buffer back, unless it was grown.
+func (b *usageBody) putBuf() {
+	if b.buf != nil && len(*b.buf) == copyBufferSize {
+		copyBuffers.put(b.buf)
+	}
+	b.buf = nil
 }
 
 // Close closes the engine's body; an answer cut short corrects nothing.
 func (b *usageBody) Close() error {
 	b.done = true
 	b.err = errBodyClosed
+	b.lo, b.ready, b.hi = 0, 0, 0 // what was not read is gone with the buffer
 	b.release()
 	return b.rc.Close()
 }

@@ -217,6 +217,33 @@ func TestUsageBodyEventsAcrossReads(t *testing.T) {
 	}
 }
 
+// TestUsageBodyLongEvents: an event longer than the read buffer is held
+// whole (its usage read, dropped when stripping); one longer than
+// maxUsageEvent passes through unread.
+func TestUsageBodyLongEvents(t *testing.T) {
+	usageEv := "data: {\"choices\":[],\"pad\":\"" + strings.Repeat("p", 100<<10) + "\",\"usage\":{\"prompt_tokens\":10}}\n\n"
+	huge := "data: {\"choices\":[],\"pad\":\"" + strings.Repeat("p", 2*maxUsageEvent) + "\",\"usage\":{\"prompt_tokens\":11}}\n\n"
+	text := "data: {\"choices\":[{\"delta\":{\"content\":\"" + strings.Repeat("x", 40<<10) + "\"}}]}\n\n"
+	for _, tc := range []struct {
+		name, stream, want string
+		prompt             int
+	}{
+		{"long usage chunk", text + usageEv + "data: [DONE]\n\n", text + "data: [DONE]\n\n", 10},
+		{"usage chunk past the bound", text + huge + "data: [DONE]\n\n", text + huge + "data: [DONE]\n\n", 0},
+	} {
+		for _, step := range []int{1000, 70000} {
+			b := &usageBody{rc: io.NopCloser(&trickle{s: tc.stream, n: step}), sse: true, strip: true}
+			out, err := io.ReadAll(b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(out) != tc.want || b.u.prompt != tc.prompt {
+				t.Fatalf("%s, reads of %d: %d bytes out (want %d), usage %+v", tc.name, step, len(out), len(tc.want), b.u)
+			}
+		}
+	}
+}
+
 // trickle returns s n bytes at a time.
 type trickle struct {
 	s string
@@ -286,9 +313,29 @@ func TestEngineKVCapacityLlamaCpp(t *testing.T) {
 	}
 }
 
+// cutEvents is what usageBody makes of a whole stream, whatever its reads:
+// its events (cut at blank lines) but the usage chunks when strip is set,
+// an unfinished last event as it is, and the last usage read.
+func cutEvents(data []byte, strip bool) ([]byte, usage) {
+	var b usageBody
+	var out []byte
+	for {
+		i := bytes.Index(data, []byte("\n\n"))
+		if i < 0 {
+			return append(out, data...), b.u
+		}
+		ev := data[:i+2]
+		data = data[i+2:]
+		if b.usageOnly(ev) && strip {
+			continue
+		}
+		out = append(out, ev...)
+	}
+}
+
 // FuzzUsageBody feeds arbitrary streams through the usage reader: it never
-// panics, passes everything on unchanged when not stripping, and only ever
-// drops whole events when stripping.
+// panics, passes everything on unchanged when not stripping, and gives what
+// cutting the whole stream at once gives, whatever the size of its reads.
 func FuzzUsageBody(f *testing.F) {
 	f.Add([]byte("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"prompt_tokens_details\":{\"cached_tokens\":7}}}\n\ndata: [DONE]\n\n"), 3)
 	f.Add([]byte("data: {\"choices\":[{}],\"usage\":null}\n\n"), 1)
@@ -303,6 +350,9 @@ func FuzzUsageBody(f *testing.F) {
 			}
 			if !strip && !bytes.Equal(out, data) {
 				t.Fatalf("changed without stripping: %q -> %q", data, out)
+			}
+			if want, wantU := cutEvents(data, strip); !bytes.Equal(out, want) || b.u != wantU {
+				t.Fatalf("strip %v step %d: %q -> %q (usage %+v), want %q (usage %+v)", strip, step, data, out, b.u, want, wantU)
 			}
 			if len(out) > len(data) {
 				t.Fatalf("output longer than input")
