@@ -201,12 +201,19 @@ func (a *Agent) observeResponse(resp *http.Response, st *servedReq) {
 		return
 	}
 	a.index.served(st.chain)
+	sse := isEventStream(resp.Header.Get("Content-Type"))
+	if len(st.chain) == 0 && !(st.strip && sse) {
+		// A prompt shorter than a block: no usage would correct anything
+		// (answered ignores an empty chain), and no chunk is dropped, so
+		// the answer passes as it is.
+		return
+	}
 	ub := &st.body
 	ub.rc = resp.Body
 	ub.index = a.index
 	ub.chain = st.chain
-	ub.sse = isEventStream(resp.Header.Get("Content-Type"))
-	ub.strip = st.strip && ub.sse
+	ub.sse = sse
+	ub.strip = st.strip && sse
 	ub.length = resp.ContentLength
 	resp.Body = ub
 	if ub.strip {

@@ -185,6 +185,22 @@ func testAgentIndexes(t *testing.T, buffered bool) {
 			t.Fatalf("no correction: before %+v, after %+v", before, st)
 		}
 	})
+	t.Run("prompt shorter than a block", func(t *testing.T) {
+		// No chain to correct: the answer passes as it is, but a usage
+		// chunk the client did not ask for is still dropped.
+		before := a.IndexStats()
+		rec := serve(chatReq("s", true, false))
+		if out := rec.Body.String(); strings.Contains(out, `"usage"`) || !strings.HasSuffix(out, "data: [DONE]\n\n") {
+			t.Fatalf("short stream:\n%q", out)
+		}
+		rec = serve(chatReq("s", false, false))
+		if !strings.Contains(rec.Body.String(), `"cached_tokens":0`) {
+			t.Fatalf("short answer changed: %s", rec.Body)
+		}
+		if st := a.IndexStats(); st.Blocks != before.Blocks || st.Corrections != before.Corrections {
+			t.Fatalf("a prompt without a block changed the index: %+v -> %+v", before, st)
+		}
+	})
 	t.Run("embeddings are not indexed", func(t *testing.T) {
 		before := a.IndexStats().Blocks
 		rec := httptest.NewRecorder()
