@@ -612,10 +612,14 @@ func (a *Agent) refresh(ctx context.Context) {
 		found = first || !eng.equal(prev)
 	}
 	if found {
-		if eng.Kind == EngineUnknown {
+		switch {
+		case eng.Kind == EngineUnknown && !settled:
+			a.log.Warn().Str("upstream", a.upstream.Redacted()).
+				Msg("engine not identified yet (no answer, or 502, 503 or 504, as while it loads its model): serving its OpenAI endpoints meanwhile; asking again")
+		case eng.Kind == EngineUnknown:
 			a.log.Warn().Str("upstream", a.upstream.Redacted()).
 				Msg("engine not recognised (not vLLM, SGLang, TGI, llama.cpp or Ollama): serving its OpenAI endpoints with models only, no load figures")
-		} else {
+		default:
 			a.log.Info().Str("engine", string(eng.Kind)).Str("version", eng.Version).
 				Int("kv_capacity_tokens", eng.KVCapacityTokens).Strs("apis", eng.APIs).Str("evidence", eng.Evidence).
 				Msg("engine recognised: " + eng.describe())

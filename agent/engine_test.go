@@ -347,8 +347,8 @@ func TestEngineStillLoadingBacksOff(t *testing.T) {
 	if got := eng.count("/props"); got != 6 {
 		t.Fatalf("/props asked %d times over 20 refreshes, want 6", got)
 	}
-	if n := strings.Count(log.String(), "engine not recognised"); n != 1 {
-		t.Fatalf("want one log line, got %d: %s", n, log.String())
+	if n := strings.Count(log.String(), "engine not identified yet"); n != 1 || strings.Contains(log.String(), "not recognised") {
+		t.Fatalf("want one log line saying the engine is not identified yet, got %d: %s", n, log.String())
 	}
 	if info := a.Info(); info.Draining || len(info.Models) != 1 {
 		t.Fatalf("join info %+v: the model is not served while the engine loads", info)
