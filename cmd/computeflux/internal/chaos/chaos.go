@@ -204,8 +204,12 @@ func (r *Result) Write(w io.Writer) {
 	fmt.Fprintf(w, "chaos (real processes): %d requests in %v: %s\n", len(r.Requests), r.Wall.Round(time.Millisecond), strings.Join(parts, " "))
 	fmt.Fprintf(w, "  longest non-streamed request: %v\n", plain.Round(time.Millisecond))
 	fmt.Fprintf(w, "  streams cut by a fault: longest %v, error event at most %v after the last event\n", cut.Round(time.Millisecond), gap.Round(time.Millisecond))
-	fmt.Fprintf(w, "  relay noticed: SIGKILL after %v (gossip dead after %v), SIGSTOP after %v; frozen agent routable again %v after SIGCONT\n",
-		r.KillDetect.Round(time.Millisecond), r.KillGossipDead.Round(time.Millisecond), r.FreezeDetect.Round(time.Millisecond), r.BackAfterCont.Round(time.Millisecond))
+	gossipDead := "gossip dead after " + r.KillGossipDead.Round(time.Millisecond).String()
+	if r.KillGossipDead == 0 {
+		gossipDead = "gossip did not declare it dead within the run"
+	}
+	fmt.Fprintf(w, "  relay noticed: SIGKILL after %v (%s), SIGSTOP after %v; frozen agent routable again %v after SIGCONT\n",
+		r.KillDetect.Round(time.Millisecond), gossipDead, r.FreezeDetect.Round(time.Millisecond), r.BackAfterCont.Round(time.Millisecond))
 	served := 0
 	for _, q := range r.Checks {
 		if q.Cause == "ok" {
