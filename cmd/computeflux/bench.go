@@ -207,8 +207,8 @@ func runOverhead(ctx context.Context, args []string, stdout, stderr io.Writer) e
 		fmt.Fprintln(stderr, "\nRows: direct; frp-tcp, frp-quic, frp-http (frp's tcp proxy over TCP and QUIC, its http")
 		fmt.Fprintln(stderr, "proxy); go-reverse-proxy (Go's httputil.ReverseProxy, one stock HTTP hop); stock-floor (the")
 		fmt.Fprintln(stderr, "relay path's stock parts alone, in two processes: net/http, HTTP/1.1 over libp2p QUIC streams,")
-		fmt.Fprintln(stderr, "HTTP/1.1 to the engine, with no routing, auth, index, metrics or logging: the least the path")
-		fmt.Fprintln(stderr, "costs on these parts); computeflux (relay and agent); computeflux-base (--base-binary).")
+		fmt.Fprintln(stderr, "HTTP/1.1 to the engine, with no routing, auth, index, metrics or logging: what the path's")
+		fmt.Fprintln(stderr, "parts cost used plainly); computeflux (relay and agent); computeflux-base (--base-binary).")
 		fmt.Fprintln(stderr, "\nFlags:")
 		printPublicDefaults(fs, hidden, stderr)
 	}
