@@ -2,6 +2,7 @@ package transport
 
 import (
 	"context"
+	"maps"
 	"net/http"
 	"net/http/httptrace"
 	"net/textproto"
@@ -67,6 +68,9 @@ type ackWriter struct {
 	idle  bool        // the timer can no longer fire: stopped, or its ack ran
 	timer *time.Timer
 	own   http.Header // the header map of the handler's own, reused
+	// wide: own held more than maxPooledHeader fields (a map does not
+	// shrink when cleared).
+	wide bool
 }
 
 // ackWriters holds ackWriters whose handler returned and whose timer is
@@ -83,7 +87,7 @@ func newAckWriter(w http.ResponseWriter) *ackWriter {
 		a = &ackWriter{own: make(http.Header)}
 	}
 	a.mu.Lock()
-	a.w, a.h, a.head, a.idle = w, a.own, false, false
+	a.w, a.h, a.head, a.idle, a.wide = w, a.own, false, false, false
 	a.mu.Unlock()
 	if a.timer == nil {
 		a.timer = time.AfterFunc(AckDelay, a.ack)
@@ -111,12 +115,22 @@ func (a *ackWriter) stopTimer() {
 }
 
 // done ends the ack's chance, the handler having returned, and puts the
-// writer back in the pool when its timer can no longer fire.
+// writer back in the pool when its timer can no longer fire. What the
+// handler left in its header map goes to the connection's, which net/http
+// writes after the handler returned: the header of a handler that wrote
+// nothing (sent with the implicit 200), or, the head written, what was set
+// through the map Header returned before the head (a handler may keep it:
+// net/http's map is the same throughout), which is trailers.
 func (a *ackWriter) done() {
 	a.mu.Lock()
+	if !a.head {
+		a.writeHead()
+	} else if len(a.own) > 0 {
+		a.wide = a.wide || len(a.own) > maxPooledHeader
+		maps.Copy(a.w.Header(), a.own)
+	}
 	a.stopTimer()
-	a.head = true
-	reuse := a.idle && len(a.own) <= maxPooledHeader
+	reuse := a.idle && !a.wide
 	a.w, a.h = nil, nil
 	a.mu.Unlock()
 	if !reuse {
@@ -146,6 +160,10 @@ func (a *ackWriter) writeHead() {
 		dst[k] = v
 	}
 	a.h = dst
+	// Emptied, so that what is left in it when the handler returns was
+	// set after the head (done).
+	a.wide = len(a.own) > maxPooledHeader
+	clear(a.own)
 }
 
 func (a *ackWriter) WriteHeader(code int) {

@@ -213,3 +213,53 @@ func TestAckWritersReused(t *testing.T) {
 		t.Fatalf("%d of 16 immediate answers came with an ack", fastAcked)
 	}
 }
+
+// TestAckWriterHeaderSemantics: the stream server's writer keeps net/http's
+// header rules although the handler fills a map of its own until its head:
+// a header set by a handler that returns without writing is sent (with the
+// implicit 200), and trailers set after the head through the map Header
+// returned before it (a handler that kept it, as net/http allows: its map
+// is the same throughout) are sent too, whether the ack went out or not.
+func TestAckWriterHeaderSemantics(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Query().Get("slow") != "" {
+			time.Sleep(3 * AckDelay)
+		}
+		h := w.Header()
+		switch r.URL.Path {
+		case "/unwritten":
+			h.Set("X-Set", "1")
+		case "/trailer":
+			h.Set("Trailer", "X-Declared")
+			w.WriteHeader(http.StatusOK)
+			io.WriteString(w, "body")
+			w.(http.Flusher).Flush()
+			h.Set("X-Declared", "d")
+			h.Set(http.TrailerPrefix+"X-Undeclared", "u")
+		}
+	}), cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	base := "http://" + srv.ID().String()
+	for _, slow := range []string{"", "?slow=1"} {
+		resp, err := client.Get(base + "/unwritten" + slow)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || resp.Header.Get("X-Set") != "1" {
+			t.Errorf("unwritten%s: %d %v", slow, resp.StatusCode, resp.Header)
+		}
+		resp, err = client.Get(base + "/trailer" + slow)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if string(b) != "body" || resp.Trailer.Get("X-Declared") != "d" || resp.Trailer.Get("X-Undeclared") != "u" {
+			t.Errorf("trailer%s: %q, trailer %v", slow, b, resp.Trailer)
+		}
+	}
+}
