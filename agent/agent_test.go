@@ -501,3 +501,34 @@ func TestJitterWithinBounds(t *testing.T) {
 		}
 	}
 }
+
+// TestAgentPassesEngineTrailers: an engine's trailers reach the relay
+// through the stream server, as they would through a ReverseProxy.
+func TestAgentPassesEngineTrailers(t *testing.T) {
+	eng := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model"}]}`)
+			return
+		}
+		w.Header().Set("Trailer", "X-Engine-Check")
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"object":"list","data":[]}`)
+		w.(http.Flusher).Flush()
+		w.Header().Set("X-Engine-Check", "sum")
+	}))
+	defer eng.Close()
+	relay := startRelay(t, "/ip4/127.0.0.1/udp/0/quic-v1", "")
+	a, _ := runAgent(t, Config{Relay: relay.addr(), Upstream: eng.URL})
+	waitFor(t, "join", func() bool { _, ok := relay.current(a.ID()); return ok })
+	req, _ := http.NewRequest(http.MethodPost, "http://"+a.ID().String()+"/v1/embeddings", strings.NewReader(`{"model":"m","input":"x"}`))
+	req.Header.Set("Te", "trailers")
+	resp, err := relay.client().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || string(b) != `{"object":"list","data":[]}` || resp.Trailer.Get("X-Engine-Check") != "sum" {
+		t.Fatalf("%d %q, trailer %v", resp.StatusCode, b, resp.Trailer)
+	}
+}
