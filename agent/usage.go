@@ -363,8 +363,9 @@ const maxPooledKept = 64 << 10
 // usageBody passes an engine's answer on while reading its usage: for a
 // non-streamed answer from the JSON at its end, for a stream from the
 // usage chunk, which it drops when strip is set (the client did not ask for
-// it). Events are cut at blank lines ("\n\n"). When the answer has been
-// read to its end, its usage (if any) corrects index for chain.
+// it). Events are cut at blank lines ("\n\n", or "\r\n\r\n": eventEnd).
+// When the answer has been read to its end, its usage (if any) corrects
+// index for chain.
 //
 // A stream is read into one buffer (from copyBuffers, grown for an event
 // longer than it, up to maxUsageEvent) and handed to the reader from there,
@@ -451,16 +452,37 @@ func (b *usageBody) fill() {
 	b.hi += n
 	b.err = err
 	for {
-		i := bytes.Index(buf[b.ready:b.hi], []byte("\n\n"))
+		i := eventEnd(buf[b.ready:b.hi])
 		if i < 0 {
 			return
 		}
-		end := b.ready + i + 2
+		end := b.ready + i
 		if b.usageOnly(buf[b.ready:end]) && b.strip {
 			b.hi = b.ready + copy(buf[b.ready:], buf[end:b.hi])
 			continue
 		}
 		b.ready = end
+	}
+}
+
+// eventEnd returns the length of b's first event, the blank line that ends
+// it included, or -1 when b holds no complete event. Lines end in "\n" or
+// "\r\n" (sse-starlette, behind llama-cpp-python's server among others,
+// ends its lines in CRLF); a stream whose lines end in a lone "\r", which
+// the format allows too and no engine is known to write, is not cut.
+func eventEnd(b []byte) int {
+	for i := 0; ; {
+		j := bytes.IndexByte(b[i:], '\n')
+		if j < 0 {
+			return -1
+		}
+		i += j + 1 // past a line's end
+		if i < len(b) && b[i] == '\n' {
+			return i + 1
+		}
+		if i+1 < len(b) && b[i] == '\r' && b[i+1] == '\n' {
+			return i + 2
+		}
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/rs/zerolog"
 
@@ -233,6 +234,46 @@ func TestUsageBodyEventsAcrossReads(t *testing.T) {
 	}
 }
 
+// TestUsageBodyCRLFEvents: events whose lines end in CRLF (as
+// sse-starlette writes them, llama-cpp-python's server among others) are
+// cut as events too: each is passed on as soon as it is complete, not held
+// back until the buffer is full or the stream ends, and the usage chunk is
+// read and dropped.
+func TestUsageBodyCRLFEvents(t *testing.T) {
+	first := "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\r\n\r\n"
+	pr, pw := io.Pipe()
+	defer pr.Close()
+	go pw.Write([]byte(first)) // and nothing more until the test ends
+	b := &usageBody{rc: pr, sse: true, strip: true}
+	got := make(chan string, 1)
+	go func() {
+		p := make([]byte, 4096)
+		n, _ := b.Read(p)
+		got <- string(p[:n])
+	}()
+	select {
+	case s := <-got:
+		if s != first {
+			t.Fatalf("first read %q", s)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a complete CRLF event was held back")
+	}
+	stream := first +
+		"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"prompt_tokens_details\":{\"cached_tokens\":7}}}\r\n\r\n" +
+		"data: [DONE]\r\n\r\n"
+	for step := 1; step <= 9; step += 4 {
+		b := &usageBody{rc: io.NopCloser(&trickle{s: stream, n: step}), sse: true, strip: true}
+		out, err := io.ReadAll(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if string(out) != first+"data: [DONE]\r\n\r\n" || b.u.prompt != 10 || b.u.cached != 7 {
+			t.Fatalf("step %d: %q, usage %+v", step, out, b.u)
+		}
+	}
+}
+
 // TestUsageBodyLongEvents: an event longer than the read buffer is held
 // whole (its usage read, dropped when stripping); one longer than
 // maxUsageEvent passes through unread.
@@ -330,18 +371,24 @@ func TestEngineKVCapacityLlamaCpp(t *testing.T) {
 }
 
 // cutEvents is what usageBody makes of a whole stream, whatever its reads:
-// its events (cut at blank lines) but the usage chunks when strip is set,
-// an unfinished last event as it is, and the last usage read.
+// its events (cut at blank lines, after "\n" or "\r\n") but the usage
+// chunks when strip is set, an unfinished last event as it is, and the
+// last usage read.
 func cutEvents(data []byte, strip bool) ([]byte, usage) {
 	var b usageBody
 	var out []byte
 	for {
-		i := bytes.Index(data, []byte("\n\n"))
-		if i < 0 {
+		end := -1
+		for _, sep := range []string{"\n\n", "\n\r\n"} {
+			if i := bytes.Index(data, []byte(sep)); i >= 0 && (end < 0 || i+len(sep) < end) {
+				end = i + len(sep)
+			}
+		}
+		if end < 0 {
 			return append(out, data...), b.u
 		}
-		ev := data[:i+2]
-		data = data[i+2:]
+		ev := data[:end]
+		data = data[end:]
 		if b.usageOnly(ev) && strip {
 			continue
 		}
@@ -355,6 +402,7 @@ func cutEvents(data []byte, strip bool) ([]byte, usage) {
 func FuzzUsageBody(f *testing.F) {
 	f.Add([]byte("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"prompt_tokens_details\":{\"cached_tokens\":7}}}\n\ndata: [DONE]\n\n"), 3)
 	f.Add([]byte("data: {\"choices\":[{}],\"usage\":null}\n\n"), 1)
+	f.Add([]byte("data: {\"choices\":[]}\r\n\r\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\r\n\n\r\ndata: [DONE]\n\r\n"), 2)
 	f.Add([]byte("\n\n\n\"usage\"\n\n"), 2)
 	f.Fuzz(func(t *testing.T, data []byte, step int) {
 		step = max(1, step%64+1)
