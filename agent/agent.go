@@ -609,6 +609,9 @@ func (a *Agent) refresh(ctx context.Context) {
 		ictx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
 		eng, idLoad, settled = a.prober().identify(ictx, ownedBy)
 		cancel()
+		if !first && !settled {
+			eng = eng.orKnown(prev) // asked again: keep what an earlier ask found
+		}
 		found = first || !eng.equal(prev)
 	}
 	if found {

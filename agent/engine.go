@@ -476,6 +476,31 @@ func (e EngineInfo) equal(o EngineInfo) bool {
 		e.Evidence == o.Evidence && slices.Equal(e.APIs, o.APIs)
 }
 
+// orKnown returns e, an identification cut short (a probe unanswered, or
+// answered "not now"), completed with what prev, an earlier identification
+// of the same engine, found where e found nothing: a probe that got no
+// answer this time says nothing new. Without it an engine identified once
+// and asked again while it reloads its model (503 on everything but
+// /v1/models) was unlearned, kind, version and APIs, until the next ask.
+func (e EngineInfo) orKnown(prev EngineInfo) EngineInfo {
+	if e.Kind == EngineUnknown {
+		return prev
+	}
+	if e.Kind != prev.Kind {
+		return e
+	}
+	if e.Version == "" {
+		e.Version = prev.Version
+	}
+	if e.KVCapacityTokens == 0 {
+		e.KVCapacityTokens = prev.KVCapacityTokens
+	}
+	if len(e.APIs) == 0 {
+		e.APIs = prev.APIs
+	}
+	return e
+}
+
 // describe is the one log line's summary of what was found.
 func (e EngineInfo) describe() string {
 	if e.Kind == EngineUnknown {

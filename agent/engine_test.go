@@ -216,8 +216,11 @@ func TestFindEngine(t *testing.T) {
 type loadingEngine struct {
 	*httptest.Server
 	loading atomic.Bool
-	mu      sync.Mutex // guards gets
-	gets    map[string]int
+	// metricsDown: /metrics alone answers 503 (a proxy in front of a
+	// metrics endpoint not up).
+	metricsDown atomic.Bool
+	mu          sync.Mutex // guards gets
+	gets        map[string]int
 }
 
 func newLoadingEngine(t *testing.T, name string) *loadingEngine {
@@ -236,7 +239,7 @@ func newLoadingEngine(t *testing.T, name string) *loadingEngine {
 			e.gets[r.URL.Path]++
 			e.mu.Unlock()
 		}
-		if e.loading.Load() && r.URL.Path != "/v1/models" {
+		if e.loading.Load() && r.URL.Path != "/v1/models" || e.metricsDown.Load() && r.URL.Path == "/metrics" {
 			io.Copy(io.Discard, r.Body)
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusServiceUnavailable)
@@ -352,5 +355,32 @@ func TestEngineStillLoadingBacksOff(t *testing.T) {
 	}
 	if info := a.Info(); info.Draining || len(info.Models) != 1 {
 		t.Fatalf("join info %+v: the model is not served while the engine loads", info)
+	}
+}
+
+// TestEngineKindKeptThroughRetry: an engine identified with a probe left
+// unanswered is asked again later; a later identification that learns less
+// (the engine reloading its model, 503 on everything but /v1/models) does
+// not unlearn what an earlier one found.
+func TestEngineKindKeptThroughRetry(t *testing.T) {
+	eng := newLoadingEngine(t, "llamacpp")
+	eng.loading.Store(false)
+	eng.metricsDown.Store(true)
+	a := fixtureAgent(t, eng.URL, io.Discard)
+	ctx := context.Background()
+	a.refresh(ctx)
+	if e := a.Engine(); e.Kind != EngineLlamaCpp {
+		t.Fatalf("engine %+v, want llama.cpp from /props", e)
+	}
+	props := eng.count("/props")
+	eng.loading.Store(true)
+	for i := range 8 {
+		a.refresh(ctx)
+		if e := a.Engine(); e.Kind != EngineLlamaCpp || a.KVCapacityTokens() != 4*8192 {
+			t.Fatalf("refresh %d while reloading: engine %+v, capacity %d", i+1, e, a.KVCapacityTokens())
+		}
+	}
+	if eng.count("/props") == props {
+		t.Fatal("the engine was not asked again")
 	}
 }
