@@ -387,11 +387,19 @@ type streamCopier struct {
 	out     []byte     // framed events to write, reused
 }
 
+// heldWrite is how much of a response net/http holds in its response
+// buffer (bufferBeforeChunkingSize) before it writes to the connection: an
+// unflushed body up to that size reaches the socket only after the handler
+// returned, so its writes cannot block on the client and need no deadline.
+// Setting and clearing one for every small answer was two runtime timer
+// updates per request.
+const heldWrite = 2048
+
 func (s *streamCopier) write(p []byte) error {
 	if len(p) == 0 {
 		return nil
 	}
-	if s.rc.SetWriteDeadline(s.clock.Now().Add(s.idle)) == nil {
+	if (s.flush || s.written+int64(len(p)) > heldWrite) && s.rc.SetWriteDeadline(s.clock.Now().Add(s.idle)) == nil {
 		s.dl = true
 	}
 	n, err := s.w.Write(p)
