@@ -197,7 +197,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	// decides whether the attempt timed out. Timer.Stop cannot tell: it
 	// returns false once the timer's function has started, before that
 	// function has cancelled anything.
-	wd := newWatchdog(r.cfg.TTFBTimeout, r.cfg.IdleTimeout, cancel)
+	wd := r.watchdogs.get(r.cfg.TTFBTimeout, r.cfg.IdleTimeout, cancel)
 	defer wd.stop()
 
 	resp, err := tgt.rt.RoundTrip(up)

@@ -14,6 +14,12 @@ import (
 // re-arms itself for the rest of it. An attempt used to take three timers
 // (first byte, the check of a non-streamed answer, the stream's copy) and
 // reset one on every read, a visible cost on a busy relay.
+//
+// Watchdogs and their timers are reused (watchdogPool): one goes back to
+// its pool only when no call of fire can still come for it, that is when stop
+// stopped a timer armed by this attempt alone (Stop true) and the timer
+// never went off during the attempt (spent false). A fire that went off
+// taints it, through Reset's result or in fire itself, both under mu.
 type watchdog struct {
 	cancel context.CancelCauseFunc
 	idle   time.Duration
@@ -21,9 +27,16 @@ type watchdog struct {
 	last   atomic.Int64 // the last read, as time since start (idle phase)
 	phase  atomic.Int32 // wdFirstByte, ...: the first to move it decides
 
-	mu sync.Mutex // orders Reset against Stop, so that a stopped watchdog stays stopped
-	t  *time.Timer
+	pool  *watchdogPool
+	mu    sync.Mutex // orders Reset against Stop, so that a stopped watchdog stays stopped
+	t     *time.Timer
+	spent bool // the timer went off during this attempt: not to be reused
 }
+
+// watchdogPool holds stopped watchdogs whose timer can fire no more. Each
+// Relay has its own, so that timers stay with the relay that made them
+// (a testing/synctest bubble's timers cannot be reset from outside it).
+type watchdogPool struct{ p sync.Pool }
 
 // Phases of a watchdog.
 const (
@@ -33,13 +46,24 @@ const (
 	wdStopped                // the attempt is over
 )
 
-// newWatchdog arms a watchdog that cancels with ErrTTFBTimeout unless
+// get arms a watchdog that cancels with ErrTTFBTimeout unless
 // firstByte is called within ttfb, then with ErrIdleTimeout once touch
 // was not called for idle.
-func newWatchdog(ttfb, idle time.Duration, cancel context.CancelCauseFunc) *watchdog {
-	d := &watchdog{cancel: cancel, idle: idle, start: time.Now()}
+func (p *watchdogPool) get(ttfb, idle time.Duration, cancel context.CancelCauseFunc) *watchdog {
+	d, _ := p.p.Get().(*watchdog)
+	if d == nil {
+		d = &watchdog{pool: p}
+	}
+	d.cancel, d.idle, d.start = cancel, idle, time.Now()
+	d.last.Store(0)
+	d.phase.Store(wdFirstByte)
 	d.mu.Lock()
-	d.t = time.AfterFunc(ttfb, d.fire)
+	d.spent = false
+	if d.t == nil {
+		d.t = time.AfterFunc(ttfb, d.fire)
+	} else {
+		d.t.Reset(ttfb) // stopped when pooled: no fire is pending
+	}
 	d.mu.Unlock()
 	return d
 }
@@ -53,8 +77,10 @@ func (d *watchdog) firstByte() bool {
 		return false
 	}
 	d.mu.Lock()
-	if d.phase.Load() == wdIdle {
-		d.t.Reset(d.idle)
+	if d.phase.Load() == wdIdle && !d.t.Reset(d.idle) {
+		// The TTFB bound went off as the byte came: its fire, lost to
+		// this call, may still run.
+		d.spent = true
 	}
 	d.mu.Unlock()
 	return true
@@ -65,14 +91,19 @@ func (d *watchdog) touch() {
 	d.last.Store(int64(time.Since(d.start)))
 }
 
-// stop ends the watchdog; it may be called more than once.
+// stop ends the watchdog; it may be called more than once, and d is not to
+// be used after it.
 func (d *watchdog) stop() {
 	if d.phase.Swap(wdStopped) == wdStopped {
 		return
 	}
 	d.mu.Lock()
-	d.t.Stop()
+	reuse := d.t.Stop() && !d.spent
 	d.mu.Unlock()
+	if reuse {
+		d.cancel = nil
+		d.pool.p.Put(d)
+	}
 }
 
 // fire runs when the timer goes off.
@@ -87,6 +118,7 @@ func (d *watchdog) fire() {
 		paused := time.Since(d.start) - time.Duration(d.last.Load())
 		if paused < d.idle {
 			d.mu.Lock()
+			d.spent = true
 			if d.phase.Load() == wdIdle {
 				d.t.Reset(d.idle - paused)
 			}

@@ -2,6 +2,8 @@ package relay
 
 import (
 	"context"
+	"math/rand/v2"
+	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -21,7 +23,8 @@ func TestWatchdog(t *testing.T) {
 			start := time.Now()
 			stop := context.AfterFunc(ctx, func() { at = time.Since(start) })
 			defer stop()
-			d := newWatchdog(ttfb, idle, cancel)
+			var pool watchdogPool // of this bubble
+			d := pool.get(ttfb, idle, cancel)
 			steps(d)
 			time.Sleep(time.Minute) // whatever is armed fires
 			synctest.Wait()
@@ -89,12 +92,62 @@ func TestWatchdog(t *testing.T) {
 	})
 }
 
+// TestWatchdogReuse races first bytes against short TTFB bounds on reused
+// watchdogs: a fire left over from one attempt must never reach another,
+// so no attempt times out before its bound, and none in time is cancelled.
+func TestWatchdogReuse(t *testing.T) {
+	var (
+		wg   sync.WaitGroup
+		pool watchdogPool
+	)
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rnd := rand.New(rand.NewPCG(uint64(g), 1))
+			for range 3000 {
+				ctx, cancel := context.WithCancelCause(context.Background())
+				ttfb := time.Duration(rnd.IntN(60)) * time.Microsecond
+				start := time.Now()
+				d := pool.get(ttfb, time.Hour, cancel)
+				if n := rnd.IntN(80); n > 0 {
+					time.Sleep(time.Duration(n) * time.Microsecond)
+				}
+				ok := d.firstByte()
+				elapsed := time.Since(start)
+				if !ok && elapsed < ttfb {
+					t.Errorf("timed out after %v, bound %v", elapsed, ttfb)
+				}
+				if rnd.IntN(4) == 0 {
+					d.touch()
+				}
+				time.Sleep(time.Duration(rnd.IntN(20)) * time.Microsecond)
+				cause := context.Cause(ctx)
+				d.stop()
+				if ok && cause != nil {
+					t.Errorf("attempt in time cancelled with %v", cause)
+				}
+				if !ok {
+					<-ctx.Done() // the fire that won may still be on its way to cancel
+					cause = context.Cause(ctx)
+				}
+				if !ok && cause != ErrTTFBTimeout {
+					t.Errorf("late attempt cancelled with %v", cause)
+				}
+				cancel(nil)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
 func BenchmarkWatchdog(b *testing.B) {
 	_, cancel := context.WithCancelCause(context.Background())
 	defer cancel(nil)
+	var pool watchdogPool
 	b.ReportAllocs()
 	for b.Loop() {
-		d := newWatchdog(time.Minute, time.Minute, cancel)
+		d := pool.get(time.Minute, time.Minute, cancel)
 		d.firstByte()
 		d.touch()
 		d.touch()
