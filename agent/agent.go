@@ -203,9 +203,13 @@ type Agent struct {
 	metrics  EngineMetrics
 	engine   EngineInfo // what identify found (engine.go)
 	// identified is set once the engine was identified since it last
-	// became available.
-	identified bool
-	changed    chan struct{} // signalled (capacity 1) when info changes
+	// became available. unsettled counts the identifications in a row
+	// that an engine not ready was cut short (a probe got no answer, or a
+	// 503 as from a llama.cpp loading its model); retryIn is how many
+	// refreshes remain before the next.
+	identified         bool
+	unsettled, retryIn int
+	changed            chan struct{} // signalled (capacity 1) when info changes
 }
 
 // New checks cfg, loads the token and the identity, and returns an Agent
@@ -571,6 +575,12 @@ func (a *Agent) refreshLoop(ctx context.Context) {
 // fails.
 const engineRecheck = time.Second
 
+// identifyRetryMax is the most refreshes between two identifications of an
+// engine that was not ready (1, 2, 4, then every 6: a minute at the default
+// RefreshInterval), so an engine that loads for minutes is known soon
+// after, and one that always answers 503 costs a few GETs a minute.
+const identifyRetryMax = 6
+
 // kickRefresh asks the refresh loop to check the engine now (a request
 // found it unreachable). It never blocks.
 func (a *Agent) kickRefresh() {
@@ -584,18 +594,32 @@ func (a *Agent) kickRefresh() {
 func (a *Agent) refresh(ctx context.Context) {
 	models, ownedBy, err := a.discoverModels(ctx)
 	a.mu.Lock()
-	identify := err == nil && !a.identified
+	first := !a.identified
+	identify := err == nil && first
+	if err == nil && !first && a.unsettled > 0 {
+		a.retryIn--
+		identify = a.retryIn <= 0
+	}
+	prev := a.engine
 	a.mu.Unlock()
 	var eng EngineInfo
 	var idLoad EngineMetrics
+	var settled, found bool // found: identification found something new
 	if identify {
 		ictx, cancel := context.WithTimeout(ctx, a.cfg.UpstreamTimeout)
-		eng, idLoad = a.prober().identify(ictx, ownedBy)
+		eng, idLoad, settled = a.prober().identify(ictx, ownedBy)
 		cancel()
-		if eng.Kind == EngineUnknown {
+		found = first || !eng.equal(prev)
+	}
+	if found {
+		switch {
+		case eng.Kind == EngineUnknown && !settled:
+			a.log.Warn().Str("upstream", a.upstream.Redacted()).
+				Msg("engine not identified yet (no answer, or 502, 503 or 504, as while it loads its model): serving its OpenAI endpoints meanwhile; asking again")
+		case eng.Kind == EngineUnknown:
 			a.log.Warn().Str("upstream", a.upstream.Redacted()).
 				Msg("engine not recognised (not vLLM, SGLang, TGI, llama.cpp or Ollama): serving its OpenAI endpoints with models only, no load figures")
-		} else {
+		default:
 			a.log.Info().Str("engine", string(eng.Kind)).Str("version", eng.Version).
 				Int("kv_capacity_tokens", eng.KVCapacityTokens).Strs("apis", eng.APIs).Str("evidence", eng.Evidence).
 				Msg("engine recognised: " + eng.describe())
@@ -613,6 +637,12 @@ func (a *Agent) refresh(ctx context.Context) {
 	a.mu.Lock()
 	if identify {
 		a.engine, a.identified = eng, true
+		if settled {
+			a.unsettled, a.retryIn = 0, 0
+		} else {
+			a.unsettled++
+			a.retryIn = min(1<<min(a.unsettled-1, 3), identifyRetryMax)
+		}
 	}
 	wasOK, before := a.engineOK, a.models
 	if err != nil {
@@ -621,7 +651,8 @@ func (a *Agent) refresh(ctx context.Context) {
 			a.engineOK = false
 		}
 		if !a.engineOK {
-			a.identified = false // identify again when it is back: it may be another engine
+			// Identify again when it is back: it may be another engine.
+			a.identified, a.unsettled, a.retryIn = false, 0, 0
 		}
 	} else {
 		a.failures = 0
@@ -640,7 +671,7 @@ func (a *Agent) refresh(ctx context.Context) {
 	if err == nil {
 		a.refreshKVCapacity()
 	}
-	if wasOK != nowOK || !slices.Equal(before, after) || identify {
+	if wasOK != nowOK || !slices.Equal(before, after) || found {
 		if nowOK {
 			a.log.Info().Strs("models", after).Msg("engine available")
 		} else {

@@ -93,7 +93,7 @@ func probePort(ctx context.Context, client *http.Client, port int) *FoundEngine 
 		}
 		f.Models = append(f.Models, d.ID)
 	}
-	f.Engine, _ = p.identify(ctx, ownedBy)
+	f.Engine, _, _ = p.identify(ctx, ownedBy)
 	return f
 }
 

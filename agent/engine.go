@@ -60,11 +60,23 @@ const maxProbeBody = 4 << 20
 // histograms can pass 4 MiB).
 const maxMetricsBody = 16 << 20
 
-// engineProber asks an engine about itself.
+// engineProber asks an engine about itself. It is used by one goroutine.
 type engineProber struct {
 	client *http.Client
 	base   *url.URL
 	auth   []string // the Authorization header's value; nil for none
+	// unsettled is set when a probe got no answer or one that says "not
+	// now" (transientStatus): what it would have told is not known yet.
+	unsettled bool
+}
+
+// transientStatus reports whether an engine's status says "not now"
+// rather than "no such thing": llama.cpp answers 503 on everything but
+// /v1/models while it loads its model; 502 and 504 come from a proxy in
+// front of an engine that is not up. 501 (llama.cpp's /metrics without
+// --metrics) and 404 are lasting answers.
+func transientStatus(code int) bool {
+	return code == http.StatusServiceUnavailable || code == http.StatusBadGateway || code == http.StatusGatewayTimeout
 }
 
 // prober asks the agent's engine, with the agent's client and authorization.
@@ -87,12 +99,18 @@ func (p *engineProber) do(ctx context.Context, method, path string, body []byte)
 	}
 	resp, err := p.send(ctx, method, path, body)
 	if err != nil {
+		p.unsettled = true
 		return nil, false
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(io.LimitReader(resp.Body, limit))
 	if err != nil {
+		p.unsettled = true
 		return nil, false
+	}
+	if transientStatus(resp.StatusCode) {
+		p.unsettled = true
+		return b, false
 	}
 	if method == http.MethodPost {
 		// A route that exists rejects an empty request (400, 422, 500);
@@ -166,7 +184,11 @@ func (p *engineProber) send(ctx context.Context, method, path string, body []byt
 // owned_by of its /v1/models entries. load is that /metrics read as load
 // figures (load.Engine empty when it had none, or was cut at maxMetricsBody):
 // the first load scrape after identification uses it instead of a second GET.
-func (p *engineProber) identify(ctx context.Context, ownedBy string) (info EngineInfo, load EngineMetrics) {
+// settled is false when a probe got no answer or a "not now" (an engine
+// still loading its model): the engine is worth identifying again later.
+func (p *engineProber) identify(ctx context.Context, ownedBy string) (info EngineInfo, load EngineMetrics, settled bool) {
+	p.unsettled = false
+	defer func() { settled = !p.unsettled }()
 	var met EngineMetrics
 	if b, ok := p.get(ctx, "/metrics"); ok {
 		met, _ = ParseEngineMetrics(bytes.NewReader(b))
@@ -269,7 +291,7 @@ func (p *engineProber) identify(ctx context.Context, ownedBy string) (info Engin
 		// gets no probe that it might take for a request.
 		info.APIs = p.apis(ctx)
 	}
-	return info, load
+	return info, load, settled
 }
 
 // apis finds which optional APIs a recognised engine serves: from its
@@ -446,6 +468,12 @@ func ParseOllamaPS(b []byte) (OllamaPS, bool) {
 		ps.ContextTokens += max(m.ContextLength, 0)
 	}
 	return ps, true
+}
+
+// equal reports whether e and o say the same of an engine.
+func (e EngineInfo) equal(o EngineInfo) bool {
+	return e.Kind == o.Kind && e.Version == o.Version && e.KVCapacityTokens == o.KVCapacityTokens &&
+		e.Evidence == o.Evidence && slices.Equal(e.APIs, o.APIs)
 }
 
 // describe is the one log line's summary of what was found.

@@ -7,12 +7,15 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httputil"
 	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/rs/zerolog"
@@ -203,5 +206,151 @@ func TestFindEngine(t *testing.T) {
 	_, err = FindEngine(context.Background(), []EnginePort{{port(other), "x"}}, 0)
 	if !errors.Is(err, ErrNoEngine) || !strings.Contains(err.Error(), "--upstream") {
 		t.Fatalf("error %v, want ErrNoEngine saying what to pass", err)
+	}
+}
+
+// loadingEngine serves the fixture of engine name behind a switch: while
+// loading, every path but /v1/models answers 503, as llama.cpp's server
+// does while it loads its model ({"error":{"message":"Loading model",
+// "type":"unavailable_error"}}). It counts the GETs of each path.
+type loadingEngine struct {
+	*httptest.Server
+	loading atomic.Bool
+	mu      sync.Mutex // guards gets
+	gets    map[string]int
+}
+
+func newLoadingEngine(t *testing.T, name string) *loadingEngine {
+	t.Helper()
+	fix := fixtureEngine(t, name)
+	target, err := url.Parse(fix.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rp := httputil.NewSingleHostReverseProxy(target)
+	e := &loadingEngine{gets: map[string]int{}}
+	e.loading.Store(true)
+	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet {
+			e.mu.Lock()
+			e.gets[r.URL.Path]++
+			e.mu.Unlock()
+		}
+		if e.loading.Load() && r.URL.Path != "/v1/models" {
+			io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			io.WriteString(w, `{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}`)
+			return
+		}
+		rp.ServeHTTP(w, r)
+	}))
+	t.Cleanup(e.Close)
+	return e
+}
+
+func (e *loadingEngine) count(path string) int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.gets[path]
+}
+
+// TestEngineIdentifiedAfterLoading: a llama.cpp still loading its model
+// when the agent starts answers /v1/models but 503 on /props, /slots and
+// /metrics. The agent serves the model meanwhile, and identifies the engine
+// again once it has loaded: kind, version, KV capacity (the index sized
+// from it) and optional APIs. Once identified, it asks /props no more.
+func TestEngineIdentifiedAfterLoading(t *testing.T) {
+	eng := newLoadingEngine(t, "llamacpp")
+	var log bytes.Buffer
+	a := fixtureAgent(t, eng.URL, &log)
+	ctx := context.Background()
+	a.refresh(ctx)
+	if e := a.Engine(); e.Kind != EngineUnknown || a.KVCapacityTokens() != 0 {
+		t.Fatalf("while loading: engine %+v, capacity %d; want nothing known yet", e, a.KVCapacityTokens())
+	}
+	if info := a.Info(); !slices.Equal(info.Models, []string{"Qwen3-8B-Q4_K_M.gguf"}) || info.Draining {
+		t.Fatalf("while loading: join info %+v, want the model served", info)
+	}
+	if eng.count("/props") == 0 {
+		t.Fatal("identification never asked /props")
+	}
+
+	eng.loading.Store(false)
+	const maxRefreshes = 10 // a minute and a half of refreshes at the default interval
+	n := 0
+	for ; n < maxRefreshes && a.Engine().Kind != EngineLlamaCpp; n++ {
+		a.refresh(ctx)
+	}
+	e := a.Engine()
+	if e.Kind != EngineLlamaCpp || e.Version != "b6940-2e76e0137" || !slices.Equal(e.APIs, []string{"/v1/responses", "/v1/messages"}) {
+		t.Fatalf("after %d refreshes of a loaded engine: %+v; want llama.cpp b6940-2e76e0137 with both APIs", n, e)
+	}
+	if got := a.KVCapacityTokens(); got != 4*8192 {
+		t.Fatalf("KV capacity %d tokens, want %d", got, 4*8192)
+	}
+	if got := a.index.stats().CapacityTokens; got != 4*8192 {
+		t.Fatalf("index sized %d tokens, want %d", got, 4*8192)
+	}
+	if !strings.Contains(log.String(), `"engine":"llamacpp"`) {
+		t.Fatalf("the log does not say llama.cpp was recognised: %s", log.String())
+	}
+	t.Logf("identified %d refreshes after the engine loaded", n)
+
+	props := eng.count("/props")
+	for range 8 {
+		a.refresh(ctx)
+	}
+	if got := eng.count("/props"); got != props {
+		t.Fatalf("/props read %d more times after identification", got-props)
+	}
+}
+
+// TestUnknownEngineIdentifiedOnce: an engine that refuses every identity
+// endpoint (404) is identified once; the agent does not keep asking.
+func TestUnknownEngineIdentifiedOnce(t *testing.T) {
+	var props atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/v1/models":
+			io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model","owned_by":"someone"}]}`)
+		case "/props":
+			props.Add(1)
+			http.NotFound(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	defer srv.Close()
+	a := fixtureAgent(t, srv.URL, io.Discard)
+	for range 8 {
+		a.refresh(context.Background())
+	}
+	if a.Engine().Kind != EngineUnknown {
+		t.Fatalf("engine %+v", a.Engine())
+	}
+	if n := props.Load(); n != 1 {
+		t.Fatalf("/props asked %d times over 8 refreshes, want once", n)
+	}
+}
+
+// TestEngineStillLoadingBacksOff: an engine that keeps answering 503 is
+// identified again after 1, 2, 4, then every 6 refreshes, never on each.
+func TestEngineStillLoadingBacksOff(t *testing.T) {
+	eng := newLoadingEngine(t, "llamacpp")
+	var log bytes.Buffer
+	a := fixtureAgent(t, eng.URL, &log)
+	for range 20 {
+		a.refresh(context.Background())
+	}
+	// Identifications at refreshes 1, 2, 4, 8, 14 and 20.
+	if got := eng.count("/props"); got != 6 {
+		t.Fatalf("/props asked %d times over 20 refreshes, want 6", got)
+	}
+	if n := strings.Count(log.String(), "engine not identified yet"); n != 1 || strings.Contains(log.String(), "not recognised") {
+		t.Fatalf("want one log line saying the engine is not identified yet, got %d: %s", n, log.String())
+	}
+	if info := a.Info(); info.Draining || len(info.Models) != 1 {
+		t.Fatalf("join info %+v: the model is not served while the engine loads", info)
 	}
 }

@@ -39,6 +39,9 @@ import (
 //     when its agent died after the first event, with an OpenAI-style error
 //     event. Hangs fail the test; so do streams cut without an error event
 //     outside the restart window.
+//   - Every agent, each killed and restarted once, is back: routed as
+//     normal, and it answers a request sent while the others are drained
+//     (the admin action), streamed and not.
 //   - Afterwards no goroutine is left (goleak) and no file descriptor
 //     (/proc/self/fd, with a small tolerance for descriptors the runtime and
 //     the resolver open lazily on first use and keep).
@@ -298,6 +301,7 @@ func TestChaosUnderLoad(t *testing.T) {
 	if okN == 0 {
 		t.Fatal("no request succeeded")
 	}
+	checkRestartedAgentsServe(t, cl, client)
 
 	// Leaks: everything stops once the cluster and the client are closed.
 	closed = true
@@ -329,6 +333,74 @@ func TestChaosUnderLoad(t *testing.T) {
 	if fdAfter > fdBefore+chaosFDTolerance {
 		t.Errorf("descriptors grew from %d to %d", fdBefore, fdAfter)
 	}
+}
+
+// checkRestartedAgentsServe checks, after the storm, that every agent of
+// cl is back in the relay's routing and answers: each in turn alone
+// undrained, a plain request and a stream must reach it and succeed.
+func checkRestartedAgentsServe(t *testing.T, cl *relaytest.Cluster, client *http.Client) {
+	t.Helper()
+	r := cl.Relay()
+	engines := cl.Engines()
+	for _, e := range engines {
+		// Bounded, not timed: a loaded machine may take a while.
+		deadline := time.Now().Add(20 * time.Second)
+		for !routedNormally(r.Scheduler(), e.Name) && time.Now().Before(deadline) {
+			<-time.After(10 * time.Millisecond)
+		}
+		if !routedNormally(r.Scheduler(), e.Name) {
+			t.Errorf("agent %s is not routed normally 20 s after the storm", e.Name)
+		}
+	}
+	setOthers := func(name, action string) {
+		for _, o := range engines {
+			if o.Name != name {
+				if err := r.SetAdmin(o.Name, action, 0); err != nil {
+					t.Fatalf("%s %s: %v", action, o.Name, err)
+				}
+			}
+		}
+	}
+	for i, e := range engines {
+		setOthers(e.Name, "drain")
+		for _, stream := range []bool{false, true} {
+			agent, cause := chaosServedBy(client, cl.URL(), cl.APIKey(), fmt.Sprintf("after-%d", i), stream)
+			if cause != "ok" || agent != e.Name {
+				t.Errorf("with the others drained, a request (stream=%v) for agent %s ended %s, served by %q", stream, e.Name, cause, agent)
+			}
+		}
+		setOthers(e.Name, "undrain")
+	}
+}
+
+// chaosServedBy sends one request like chaosRequest and returns the agent
+// that served it (X-ComputeFlux-Agent) and how it ended.
+func chaosServedBy(c *http.Client, url, key, session string, stream bool) (agent, cause string) {
+	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"session %s says hello"}],"max_tokens":8,"stream":%v}`,
+		simengine.DefaultModel, session, stream)
+	ctx, cancel := context.WithTimeout(context.Background(), chaosReqTimeout)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, "POST", url+"/v1/chat/completions", strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Session-ID", session)
+	resp, err := c.Do(req)
+	if err != nil {
+		return "", "conn: " + err.Error()
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	switch {
+	case err != nil:
+		return resp.Header.Get("X-ComputeFlux-Agent"), "read: " + err.Error()
+	case resp.StatusCode != http.StatusOK:
+		return resp.Header.Get("X-ComputeFlux-Agent"), fmt.Sprintf("status %d: %s", resp.StatusCode, b)
+	case stream && !strings.Contains(string(b), "data: [DONE]"):
+		return resp.Header.Get("X-ComputeFlux-Agent"), "stream without [DONE]"
+	case !stream && !json.Valid(b):
+		return resp.Header.Get("X-ComputeFlux-Agent"), "not JSON"
+	}
+	return resp.Header.Get("X-ComputeFlux-Agent"), "ok"
 }
 
 // TestDisconnectCancelsEngineOverQUIC measures, through the real path

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -173,16 +174,6 @@ func runOverhead(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	var asJSON, quiet bool
 	fs := flag.NewFlagSet("bench --overhead", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "Usage: computeflux bench --overhead [flags]")
-		fmt.Fprintln(stderr, "\nMeasures what the relay path costs: a stub engine that answers at once, reached directly,")
-		fmt.Fprintln(stderr, "through frp (when "+bench.EnvFRPS+" and "+bench.EnvFRPC+" name its binaries) and through a relay")
-		fmt.Fprintln(stderr, "and an agent run as processes of this binary, all on loopback, interleaved in one run.")
-		fmt.Fprintln(stderr, "Prints added p50/p99 (small request, stream first byte), throughput at N clients against")
-		fmt.Fprintln(stderr, "direct and CPU per request of each path's processes; medians over rounds.")
-		fmt.Fprintln(stderr, "\nFlags:")
-		fs.PrintDefaults()
-	}
 	fs.IntVar(&cfg.Sequential, "requests", 2000, "sequential requests per kind (small, stream) and path, per round")
 	fs.IntVar(&cfg.Concurrent, "concurrent-requests", 10000, "small requests per path at --clients clients, per round")
 	fs.IntVar(&cfg.Clients, "clients", 32, "concurrent clients")
@@ -198,15 +189,44 @@ func runOverhead(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	fs.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
 	var proxyListen, proxyUpstream string
 	fs.StringVar(&proxyListen, "serve-reverse-proxy", "", "serve only Go's httputil.ReverseProxy on this `addr` (the benchmark's one-hop baseline, run as its own process)")
-	fs.StringVar(&proxyUpstream, "upstream", "", "with --serve-reverse-proxy: the engine's `URL`")
+	fs.StringVar(&proxyUpstream, "upstream", "", "with --serve-reverse-proxy or --serve-stock-floor-agent: the engine's `URL`")
+	var floorRelay, floorAgent, floorAddrFile string
+	fs.StringVar(&floorRelay, "serve-stock-floor-relay", "", "serve only the relay side of the stock-floor baseline on this loopback `addr` (run as its own process)")
+	fs.StringVar(&floorAddrFile, "addr-file", "", "with --serve-stock-floor-relay: write its libp2p multiaddr to this `file`")
+	fs.StringVar(&floorAgent, "serve-stock-floor-agent", "", "serve only the agent side of the stock-floor baseline, dialing the relay side at this loopback `multiaddr`")
+	// The benchmark runs itself with these to serve its baselines; users
+	// have no use for them, so usage leaves them out.
+	hidden := map[string]bool{"serve-reverse-proxy": true, "upstream": true, "serve-stock-floor-relay": true, "addr-file": true, "serve-stock-floor-agent": true}
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "Usage: computeflux bench --overhead [flags]")
+		fmt.Fprintln(stderr, "\nMeasures what the relay path costs: a stub engine that answers at once, reached directly,")
+		fmt.Fprintln(stderr, "through frp (when "+bench.EnvFRPS+" and "+bench.EnvFRPC+" name its binaries) and through a relay")
+		fmt.Fprintln(stderr, "and an agent run as processes of this binary, all on loopback, interleaved in one run.")
+		fmt.Fprintln(stderr, "Prints added p50/p99 (small request, stream first byte), throughput at N clients against")
+		fmt.Fprintln(stderr, "direct and CPU per request of each path's processes; medians over rounds.")
+		fmt.Fprintln(stderr, "\nRows: direct; frp-tcp, frp-quic, frp-http (frp's tcp proxy over TCP and QUIC, its http")
+		fmt.Fprintln(stderr, "proxy); go-reverse-proxy (Go's httputil.ReverseProxy, one stock HTTP hop); stock-floor (the")
+		fmt.Fprintln(stderr, "relay path's stock parts alone, in two processes: net/http, HTTP/1.1 over libp2p QUIC streams,")
+		fmt.Fprintln(stderr, "HTTP/1.1 to the engine, with no routing, auth, index, metrics or logging: what the path's")
+		fmt.Fprintln(stderr, "parts cost used plainly); computeflux (relay and agent); computeflux-base (--base-binary).")
+		fmt.Fprintln(stderr, "\nFlags:")
+		printPublicDefaults(fs, hidden, stderr)
+	}
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
 	}
-	if proxyListen != "" {
+	switch n := countSet(proxyListen, floorRelay, floorAgent); {
+	case n > 1:
+		return errors.New("bench: --serve-reverse-proxy, --serve-stock-floor-relay and --serve-stock-floor-agent exclude each other")
+	case proxyListen != "":
 		return bench.ServeReverseProxy(ctx, proxyListen, proxyUpstream)
+	case floorRelay != "":
+		return bench.ServeStockFloorRelay(ctx, floorRelay, floorAddrFile)
+	case floorAgent != "":
+		return bench.ServeStockFloorAgent(ctx, floorAgent, proxyUpstream)
 	}
 	if !quiet {
 		cfg.Progress = stderr
@@ -221,4 +241,29 @@ func runOverhead(ctx context.Context, args []string, stdout, stderr io.Writer) e
 		return enc.Encode(rep)
 	}
 	return rep.WriteTable(stdout)
+}
+
+// countSet returns how many of vs are not empty.
+func countSet(vs ...string) int {
+	n := 0
+	for _, v := range vs {
+		if v != "" {
+			n++
+		}
+	}
+	return n
+}
+
+// printPublicDefaults prints fs's flags but those in hidden, as
+// fs.PrintDefaults would.
+func printPublicDefaults(fs *flag.FlagSet, hidden map[string]bool, w io.Writer) {
+	pub := flag.NewFlagSet(fs.Name(), flag.ContinueOnError)
+	pub.SetOutput(w)
+	fs.VisitAll(func(f *flag.Flag) {
+		if !hidden[f.Name] {
+			pub.Var(f.Value, f.Name, f.Usage)
+			pub.Lookup(f.Name).DefValue = f.DefValue
+		}
+	})
+	pub.PrintDefaults()
 }

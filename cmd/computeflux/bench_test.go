@@ -1,6 +1,9 @@
 package main
 
 import (
+	"context"
+	"errors"
+	"flag"
 	"io"
 	"strings"
 	"testing"
@@ -22,5 +25,29 @@ func TestBenchKeylessIsKeysWithout(t *testing.T) {
 		if _, _, _, _, err := benchConfig([]string{"--keys", k, "--keyless"}, io.Discard); err == nil || !strings.Contains(err.Error(), "keyless") {
 			t.Errorf("keys %q with keyless: %v", k, err)
 		}
+	}
+}
+
+// bench --overhead's help lists the rows, stock-floor among them, and its
+// flags but the ones the benchmark runs itself with; those exclude each
+// other.
+func TestBenchOverheadUsage(t *testing.T) {
+	var help strings.Builder
+	if err := runOverhead(context.Background(), []string{"-h"}, io.Discard, &help); !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("-h: %v", err)
+	}
+	for _, want := range []string{"stock-floor", "go-reverse-proxy", "-requests", "-base-binary"} {
+		if !strings.Contains(help.String(), want) {
+			t.Errorf("help lacks %q:\n%s", want, help.String())
+		}
+	}
+	for _, hidden := range []string{"-serve-reverse-proxy", "-serve-stock-floor-relay", "-serve-stock-floor-agent", "-addr-file", "-upstream"} {
+		if strings.Contains(help.String(), hidden) {
+			t.Errorf("help lists %q:\n%s", hidden, help.String())
+		}
+	}
+	err := runOverhead(context.Background(), []string{"--serve-stock-floor-relay", "127.0.0.1:0", "--serve-stock-floor-agent", "/ip4/127.0.0.1/udp/1/quic-v1"}, io.Discard, io.Discard)
+	if err == nil || !strings.Contains(err.Error(), "exclude each other") {
+		t.Fatalf("two serve flags: %v", err)
 	}
 }

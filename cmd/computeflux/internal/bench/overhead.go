@@ -24,8 +24,10 @@ import (
 
 // The overhead benchmark measures what the relay path itself costs: a stub
 // engine that answers at once is reached directly, through frp (when its
-// binaries are given) and through a real relay and agent, each run as a
-// process of the computeflux binary, as users run them. Every phase visits
+// binaries are given), through Go's reverse proxy and the stock floor
+// (baselines built of stock parts, see floor.go) and through a real relay
+// and agent, each run as a process of the computeflux binary, as users run
+// them. Every phase visits
 // the targets interleaved, so that all of them see the same machine state,
 // and reports each path against direct.
 
@@ -215,6 +217,14 @@ func RunOverhead(ctx context.Context, cfg OverheadConfig) (*OverheadReport, erro
 		return nil, fmt.Errorf("go-reverse-proxy: %w", err)
 	}
 	targets = append(targets, gt)
+
+	progress("starting the stock floor's relay and agent sides (%s)", cfg.Binary)
+	ft, fps, err := startStockFloor(ctx, cfg, dir, eng.url)
+	procs = append(procs, fps...)
+	if err != nil {
+		return nil, fmt.Errorf("stock-floor: %w", err)
+	}
+	targets = append(targets, ft)
 
 	progress("starting relay and agent (%s)", cfg.Binary)
 	ct, cps, pprofAddrs, err := startComputeflux(ctx, cfg, dir, eng.url, "")

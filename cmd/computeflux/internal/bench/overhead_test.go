@@ -78,7 +78,8 @@ func TestStubEngineAnswers(t *testing.T) {
 }
 
 // TestRunOverheadEndToEnd builds the binary and runs a tiny overhead
-// benchmark through a real relay and agent processes.
+// benchmark through real processes: Go's reverse proxy, the stock floor's
+// two sides, and a relay and an agent.
 func TestRunOverheadEndToEnd(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the computeflux binary; skipped with -short")
@@ -96,13 +97,25 @@ func TestRunOverheadEndToEnd(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(rep.Paths) != 3 || rep.Paths[1].Name != "go-reverse-proxy" || rep.Paths[2].Name != "computeflux" {
+	if len(rep.Paths) != 4 || rep.Paths[1].Name != "go-reverse-proxy" || rep.Paths[2].Name != "stock-floor" || rep.Paths[3].Name != "computeflux" {
 		t.Fatalf("paths %+v", rep.Paths)
 	}
 	if gp := rep.Paths[1]; gp.Errors != 0 || gp.RPS <= 0 || !gp.NoStream || len(gp.CPUPerRequest) != 1 {
 		t.Fatalf("go-reverse-proxy path: %+v", gp)
 	}
-	cf := rep.Paths[2]
+	// The stock floor serves every request, streams included (timed to
+	// their first byte), and its CPU is split by process as the product's.
+	fl := rep.Paths[2]
+	if fl.Errors != 0 || fl.RPS <= 0 || fl.NoStream || len(fl.Rounds) != 1 || fl.Rounds[0].StreamP50 <= 0 || fl.Rounds[0].SmallP50 <= 0 {
+		t.Fatalf("stock-floor path: %+v", fl)
+	}
+	if _, ok := fl.CPUPerRequest["relay"]; !ok || len(fl.CPUPerRequest) != 2 {
+		t.Fatalf("stock-floor CPU per request %v, want relay and agent", fl.CPUPerRequest)
+	}
+	if _, ok := fl.CPUPerRequest["agent"]; !ok {
+		t.Fatalf("stock-floor CPU per request %v, want relay and agent", fl.CPUPerRequest)
+	}
+	cf := rep.Paths[3]
 	if cf.Errors != 0 || cf.RPS <= 0 || len(cf.CPUPerRequest) != 2 {
 		t.Fatalf("computeflux path: %+v", cf)
 	}
@@ -110,8 +123,10 @@ func TestRunOverheadEndToEnd(t *testing.T) {
 	if err := rep.WriteTable(&b); err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(b.String(), "| computeflux |") || !strings.Contains(b.String(), "| go-reverse-proxy |") {
-		t.Fatalf("table:\n%s", b.String())
+	for _, row := range []string{"| computeflux |", "| go-reverse-proxy |", "| stock-floor |"} {
+		if !strings.Contains(b.String(), row) {
+			t.Fatalf("no row %q in the table:\n%s", row, b.String())
+		}
 	}
 }
 

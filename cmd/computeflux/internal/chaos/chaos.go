@@ -4,7 +4,10 @@
 // agents die the way home machines do: one is SIGKILLed (no goodbye
 // reaches anyone), another is frozen with SIGSTOP and woken with SIGCONT
 // (a laptop lid), and the killed one is started again on its identity. It
-// reports every request's fate and how long the relay took to notice.
+// reports every request's fate, how long the relay took to notice, and
+// whether the restarted agent is back in the relay's routing table and
+// serves: new sessions, then requests it alone may take (the relay's admin
+// API drains the others for them).
 package chaos
 
 import (
@@ -35,7 +38,15 @@ const (
 	DefaultTimeScale  = 4
 	DefaultMaxTokens  = 48
 	DefaultReqTimeout = 30 * time.Second
+	DefaultRestartChk = 4
 	startTimeout      = 30 * time.Second
+	// backTimeout bounds the wait for the restarted agent to show as "ok"
+	// in the relay's routing table: generous, as a loaded CI machine may
+	// be slow, and never a measure of speed.
+	backTimeout = 30 * time.Second
+	// freshSessions is how many new sessions are sent, one at a time,
+	// once the restarted agent is routable, to see where they land.
+	freshSessions = 12
 )
 
 // Config configures a Run. The zero value of every field but Binary means
@@ -61,6 +72,9 @@ type Config struct {
 	// RequestTimeout is the client's bound on one request; a request
 	// still running then is a hang. Default 30 s.
 	RequestTimeout time.Duration
+	// RestartChecks is the number of requests, half streamed, sent after the
+	// load while every agent but the restarted one is drained. Default 4.
+	RestartChecks int
 	// Progress, if set, receives one line per phase.
 	Progress io.Writer
 	// Echo, if set, receives the children's log lines.
@@ -85,6 +99,9 @@ func (c *Config) populate() {
 	}
 	if c.RequestTimeout == 0 {
 		c.RequestTimeout = DefaultReqTimeout
+	}
+	if c.RestartChecks == 0 {
+		c.RestartChecks = DefaultRestartChk
 	}
 }
 
@@ -120,6 +137,22 @@ type Result struct {
 	// BackAfterCont is the time from SIGCONT to the relay routing to the
 	// frozen agent again (zero if it did not within the run).
 	BackAfterCont time.Duration
+	// RestartedBack is the time from the restarted agent's join to the
+	// relay's routing table (its admin API, polled every 20 ms under the
+	// load) showing it "ok"; zero if it did not within 30 s.
+	// RestartedState is the state the table showed last.
+	RestartedBack  time.Duration
+	RestartedState string
+	// RestartedLoad is how many requests of the load that began after the
+	// restart the restarted agent served (sessions are sticky, so often
+	// none: their agents still live).
+	RestartedLoad int
+	// RestartedFresh is how many of FreshSent new sessions, sent one at a
+	// time after the load, the restarted agent served.
+	RestartedFresh, FreshSent int
+	// Checks are the requests sent while every agent but the restarted one
+	// was drained: each must be served ("ok") by the restarted agent.
+	Checks []Request
 	// Wall is the load's duration.
 	Wall time.Duration
 	// Events are the relay's log lines about the killed and frozen agents
@@ -171,8 +204,24 @@ func (r *Result) Write(w io.Writer) {
 	fmt.Fprintf(w, "chaos (real processes): %d requests in %v: %s\n", len(r.Requests), r.Wall.Round(time.Millisecond), strings.Join(parts, " "))
 	fmt.Fprintf(w, "  longest non-streamed request: %v\n", plain.Round(time.Millisecond))
 	fmt.Fprintf(w, "  streams cut by a fault: longest %v, error event at most %v after the last event\n", cut.Round(time.Millisecond), gap.Round(time.Millisecond))
-	fmt.Fprintf(w, "  relay noticed: SIGKILL after %v (gossip dead after %v), SIGSTOP after %v; frozen agent routable again %v after SIGCONT\n",
-		r.KillDetect.Round(time.Millisecond), r.KillGossipDead.Round(time.Millisecond), r.FreezeDetect.Round(time.Millisecond), r.BackAfterCont.Round(time.Millisecond))
+	gossipDead := "gossip dead after " + r.KillGossipDead.Round(time.Millisecond).String()
+	if r.KillGossipDead == 0 {
+		gossipDead = "gossip did not declare it dead within the run"
+	}
+	fmt.Fprintf(w, "  relay noticed: SIGKILL after %v (%s), SIGSTOP after %v; frozen agent routable again %v after SIGCONT\n",
+		r.KillDetect.Round(time.Millisecond), gossipDead, r.FreezeDetect.Round(time.Millisecond), r.BackAfterCont.Round(time.Millisecond))
+	served := 0
+	for _, q := range r.Checks {
+		if q.Cause == "ok" {
+			served++
+		}
+	}
+	back := fmt.Sprintf("%q in the routing table %v after its join", r.RestartedState, r.RestartedBack.Round(time.Millisecond))
+	if r.RestartedBack == 0 {
+		back = fmt.Sprintf("still %q in the routing table %v after its join", r.RestartedState, backTimeout)
+	}
+	fmt.Fprintf(w, "  restarted agent: %s; served %d requests of the load after the restart, %d of %d new sessions, %d of %d with the others drained\n",
+		back, r.RestartedLoad, r.RestartedFresh, r.FreshSent, served, len(r.Checks))
 }
 
 // cluster is the running processes.
@@ -180,8 +229,10 @@ type cluster struct {
 	cfg      Config
 	dir      string
 	key      string
+	adminKey string
 	relay    *proc
 	relayURL string
+	adminURL string
 	relayMA  string
 	engines  []*proc
 	engURL   []string
@@ -229,12 +280,17 @@ func randomHex(n int) string {
 
 func (c *cluster) start() error {
 	c.key = "sk-cf-" + randomHex(16)
+	c.adminKey = randomHex(16)
 	token := filepath.Join(c.dir, "token")
 	keys := filepath.Join(c.dir, "keys")
+	adminKey := filepath.Join(c.dir, "admin-key")
 	if err := os.WriteFile(token, []byte(randomHex(32)), 0o600); err != nil {
 		return err
 	}
 	if err := os.WriteFile(keys, []byte(c.key+"\n"), 0o600); err != nil {
+		return err
+	}
+	if err := os.WriteFile(adminKey, []byte(c.adminKey+"\n"), 0o600); err != nil {
 		return err
 	}
 	addrFile := filepath.Join(c.dir, "relay.addrs")
@@ -242,7 +298,7 @@ func (c *cluster) start() error {
 	c.relay, err = start("relay", c.cfg.Binary, c.cfg.Echo, "relay",
 		"--listen", "127.0.0.1:0", "--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1",
 		"--identity", filepath.Join(c.dir, "relay.key"), "--token-file", token, "--api-keys-file", keys,
-		"--addr-file", addrFile, "--log-format", "json")
+		"--addr-file", addrFile, "--admin-listen", "127.0.0.1:0", "--admin-key-file", adminKey, "--log-format", "json")
 	if err != nil {
 		return err
 	}
@@ -251,6 +307,11 @@ func (c *cluster) start() error {
 		return err
 	}
 	c.relayURL = "http://" + l.str("addr")
+	l, err = c.relay.waitLog(startTimeout, func(l logLine) bool { return l.str("message") == "relay admin listening" })
+	if err != nil {
+		return err
+	}
+	c.adminURL = "http://" + l.str("addr")
 	b, err := os.ReadFile(addrFile)
 	if err != nil {
 		return fmt.Errorf("chaos: relay addr file: %w", err)
@@ -271,7 +332,7 @@ func (c *cluster) start() error {
 	}
 	for i := range c.cfg.Agents {
 		c.agents = append(c.agents, nil)
-		if err := c.startAgent(i); err != nil {
+		if _, err := c.startAgent(i); err != nil {
 			return err
 		}
 	}
@@ -282,21 +343,21 @@ func (c *cluster) start() error {
 func agentName(i int) string { return fmt.Sprintf("agent-%d", i) }
 
 // startAgent starts agent i on its identity and waits for the relay to
-// log its join.
-func (c *cluster) startAgent(i int) error {
+// log its join, returning when it did.
+func (c *cluster) startAgent(i int) (time.Time, error) {
 	since := time.Now()
 	a, err := start(agentName(i), c.cfg.Binary, c.cfg.Echo, "agent",
 		"--relay", c.relayMA, "--token-file", filepath.Join(c.dir, "token"), "--upstream", c.engURL[i],
 		"--name", agentName(i), "--identity", filepath.Join(c.dir, agentName(i)+".key"),
 		"--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1", "--drain-timeout", "2s", "--log-format", "json")
 	if err != nil {
-		return err
+		return time.Time{}, err
 	}
 	c.agents[i] = a
-	_, err = c.relay.waitLog(startTimeout, func(l logLine) bool {
+	l, err := c.relay.waitLog(startTimeout, func(l logLine) bool {
 		return l.at.After(since) && l.str("message") == "agent joined" && l.str("agent") == agentName(i)
 	})
-	return err
+	return l.at, err
 }
 
 func (c *cluster) stop() {
@@ -415,14 +476,32 @@ func (c *cluster) run(ctx context.Context) (*Result, error) {
 		ok = sleep(time.Second)
 	}
 	var startErr error
+	var joinedAt time.Time
 	if ok {
 		c.progress("restart %s", agentName(killed))
-		startErr = c.startAgent(killed)
-		ok = sleep(3 * time.Second)
+		joinedAt, startErr = c.startAgent(killed)
+	}
+	if ok && startErr == nil {
+		// The load goes on while the table is watched.
+		startErr = c.waitRoutable(ctx, client, killed, joinedAt, res)
+		ok = ctx.Err() == nil
+	}
+	if ok {
+		ok = sleep(time.Until(joinedAt.Add(3 * time.Second)))
 	}
 	close(stop)
 	wg.Wait()
 	res.Wall = time.Since(loadStart)
+	if ok && startErr == nil {
+		for _, q := range res.Requests {
+			if q.Agent == agentName(killed) && loadStart.Add(q.Start).After(joinedAt) {
+				res.RestartedLoad++
+			}
+		}
+		if res.RestartedBack > 0 {
+			startErr = c.checkRestarted(ctx, client, killed, loadStart, res)
+		}
+	}
 	if !killAt.IsZero() {
 		res.KillDetect, res.KillGossipDead = c.detected(agentName(killed), killAt)
 	}
@@ -446,6 +525,132 @@ func (c *cluster) run(ctx context.Context) (*Result, error) {
 		return res, ctx.Err()
 	}
 	return res, nil
+}
+
+// waitRoutable watches the relay's routing table (its admin API) until the
+// restarted agent i shows "ok", for at most backTimeout, and notes when.
+// Errors are about the run (the admin API failing); what the agent did is
+// in res.
+func (c *cluster) waitRoutable(ctx context.Context, client *http.Client, i int, joinedAt time.Time, res *Result) error {
+	name := agentName(i)
+	for deadline := time.Now().Add(backTimeout); ; {
+		rows, err := c.table(ctx, client)
+		if err != nil {
+			return err
+		}
+		res.RestartedState = "absent"
+		for _, r := range rows {
+			if r.Name == name {
+				res.RestartedState = r.State
+			}
+		}
+		if res.RestartedState == "ok" {
+			res.RestartedBack = max(time.Since(joinedAt), time.Nanosecond)
+			c.progress("%s %q in the routing table %v after its join", name, res.RestartedState, res.RestartedBack.Round(time.Millisecond))
+			return nil
+		}
+		if time.Now().After(deadline) {
+			c.progress("%s still %q in the routing table %v after its join", name, res.RestartedState, backTimeout)
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// checkRestarted checks, once the load has stopped, that the restarted
+// agent i serves: new sessions may land on it, and with every other agent
+// drained (the admin API) requests reach it and it answers them. Errors
+// are about the run (the admin API failing); what the agent did is in res.
+func (c *cluster) checkRestarted(ctx context.Context, client *http.Client, i int, loadStart time.Time, res *Result) error {
+	name := agentName(i)
+	for n := range freshSessions {
+		q := c.request(ctx, client, fmt.Sprintf("fresh-%d", n), false, 0, loadStart)
+		res.FreshSent++
+		if q.Cause == "ok" && q.Agent == name {
+			res.RestartedFresh++
+		}
+	}
+	var others []string
+	for j := range c.cfg.Agents {
+		if j != i {
+			others = append(others, agentName(j))
+		}
+	}
+	for _, o := range others {
+		if err := c.admin(ctx, client, o, "drain"); err != nil {
+			return err
+		}
+	}
+	c.progress("%s served %d of %d new sessions; the others drained", name, res.RestartedFresh, res.FreshSent)
+	for n := range c.cfg.RestartChecks {
+		// Old sessions (their agents drained, so they move) and new ones.
+		session := fmt.Sprintf("w%d-s0", n%c.cfg.Workers)
+		if n%2 == 1 {
+			session = fmt.Sprintf("check-%d", n)
+		}
+		q := c.request(ctx, client, session, n%2 == 1, n, loadStart)
+		if q.Cause == "ok" && q.Agent != name {
+			q.Cause, q.Detail = "wrong_agent", "served by "+q.Agent
+		}
+		res.Checks = append(res.Checks, q)
+	}
+	for _, o := range others {
+		if err := c.admin(ctx, client, o, "undrain"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// adminRow is the part of a routing table row (relay.TableRow) read here.
+type adminRow struct {
+	Name  string `json:"name"`
+	State string `json:"state"`
+}
+
+// table returns the relay's routing table from its admin API.
+func (c *cluster) table(ctx context.Context, client *http.Client) ([]adminRow, error) {
+	var out struct {
+		Endpoints []adminRow `json:"endpoints"`
+	}
+	err := c.adminDo(ctx, client, http.MethodGet, "/admin/v1/endpoints", &out)
+	return out.Endpoints, err
+}
+
+// admin applies an admin action to endpoint name.
+func (c *cluster) admin(ctx context.Context, client *http.Client, name, action string) error {
+	return c.adminDo(ctx, client, http.MethodPost, "/admin/v1/endpoints/"+name+"/"+action, nil)
+}
+
+func (c *cluster) adminDo(ctx context.Context, client *http.Client, method, path string, into any) error {
+	req, err := http.NewRequestWithContext(ctx, method, c.adminURL+path, nil)
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Authorization", "Bearer "+c.adminKey)
+	resp, err := client.Do(req)
+	if err != nil {
+		return fmt.Errorf("chaos: admin %s %s: %w", method, path, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return fmt.Errorf("chaos: admin %s %s: %w", method, path, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("chaos: admin %s %s: status %d: %s", method, path, resp.StatusCode, b)
+	}
+	if into == nil {
+		return nil
+	}
+	if err := json.Unmarshal(b, into); err != nil {
+		return fmt.Errorf("chaos: admin %s %s: %w", method, path, err)
+	}
+	return nil
 }
 
 // request sends one chat turn and classifies how it ended.

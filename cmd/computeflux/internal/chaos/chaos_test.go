@@ -45,7 +45,9 @@ func runMain(m *testing.M) int {
 // started again. No non-streamed request may fail, no stream may fail
 // before its first byte, every stream cut by a fault must end with an
 // OpenAI error event, no stream may carry two completions, nothing may
-// hang.
+// hang. The restarted agent must be back: "ok" in the relay's routing
+// table, given new sessions, and serving every request sent while the
+// others are drained.
 func TestChaosRealProcesses(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs the computeflux binary as processes")
@@ -91,6 +93,22 @@ func TestChaosRealProcesses(t *testing.T) {
 	}
 	if res.BackAfterCont == 0 {
 		t.Error("the frozen agent was not routable again after SIGCONT")
+	}
+	if res.RestartedBack == 0 {
+		t.Errorf("the restarted agent is %q in the relay's routing table, not ok, long after its join", res.RestartedState)
+	}
+	if res.RestartedBack != 0 && (len(res.Checks) == 0 || res.FreshSent == 0) {
+		t.Error("no request was sent to the restarted agent")
+	}
+	// The restarted agent holds no session and nothing in flight: the
+	// scheduler, unforced, gives it some of the new sessions.
+	if res.FreshSent > 0 && res.RestartedFresh == 0 {
+		t.Errorf("none of %d new sessions went to the restarted agent", res.FreshSent)
+	}
+	for _, q := range res.Checks {
+		if q.Cause != "ok" {
+			t.Errorf("with the others drained, a request (stream=%v) to the restarted agent ended %s: %s", q.Stream, q.Cause, q.Detail)
+		}
 	}
 }
 

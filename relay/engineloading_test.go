@@ -1,0 +1,84 @@
+package relay_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/computeflux/computeflux/agent"
+	"github.com/computeflux/computeflux/agent/simengine"
+)
+
+// TestEngineLoadingThroughRealParts: an engine that is still loading when
+// its agent starts answers /v1/models but 503 on everything else, as
+// llama.cpp's server does while it loads its model. The agent (package
+// agent, joined to a relay over QUIC) serves the model list meanwhile;
+// once the engine has loaded, the agent identifies it again and the relay
+// routes the Responses API, which only a recognised engine gets, to it.
+func TestEngineLoadingThroughRealParts(t *testing.T) {
+	eng, err := simengine.New(simengine.Config{Listen: "127.0.0.1:0", TimeScale: 200, DefaultMaxTokens: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := eng.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	ectx, ecancel := context.WithCancel(context.Background())
+	edone := make(chan error, 1)
+	go func() { edone <- eng.Run(ectx) }()
+	defer func() { ecancel(); <-edone }()
+	target, err := url.Parse(eng.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rp := httputil.NewSingleHostReverseProxy(target)
+	var loading atomic.Bool
+	loading.Store(true)
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if loading.Load() && r.URL.Path != "/v1/models" {
+			io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			io.WriteString(w, `{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}`)
+			return
+		}
+		rp.ServeHTTP(w, r)
+	}))
+	defer front.Close()
+
+	rl := startRelay(t, "", "")
+	ra := startIndexAgent(t, rl, "loading", front.URL, 0) // refreshes every 200 ms
+	waitAgents(t, rl, "loading")
+	if k := ra.a.Engine().Kind; k != agent.EngineUnknown {
+		t.Fatalf("engine %q while it loads, want not identified yet", k)
+	}
+	body := fmt.Sprintf(`{"model":%q,"input":"Hello"}`, simengine.DefaultModel)
+	if resp, b := postJSON(t, rl.url+"/v1/responses", body); resp.StatusCode == http.StatusOK {
+		t.Fatalf("Responses API served before the engine was identified: %s", b)
+	}
+
+	loading.Store(false)
+	loadedAt := time.Now()
+	waitFor(t, "the engine identified after loading", func() bool { return ra.a.Engine().Kind == agent.EngineSim })
+	identified := time.Since(loadedAt)
+	var resp *http.Response
+	var b []byte
+	waitFor(t, "the relay routing the Responses API to the agent", func() bool {
+		resp, b = postJSON(t, rl.url+"/v1/responses", body)
+		return resp.StatusCode == http.StatusOK
+	})
+	if got := resp.Header.Get("X-ComputeFlux-Agent"); got != "loading" {
+		t.Fatalf("served by %q: %s", got, b)
+	}
+	if n := ra.a.KVCapacityTokens(); n <= 0 {
+		t.Fatalf("KV capacity %d after identification", n)
+	}
+	t.Logf("identified %v after the engine loaded (refresh every 200 ms)", identified.Round(time.Millisecond))
+}
