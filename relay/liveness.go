@@ -103,6 +103,8 @@ type liveness struct {
 
 	mu    sync.Mutex // guards watches
 	watch map[peer.ID]*watch
+
+	ackTimers sync.Pool // of *ackTimer that can fire no more
 }
 
 // watch is the liveness state of one agent. Guarded by liveness.mu.
@@ -125,10 +127,30 @@ type flight struct {
 	w      *watch
 	cancel context.CancelCauseFunc
 	bound  time.Duration // the ack bound
-	timer  *time.Timer   // fires at the ack bound
+	timer  *ackTimer     // fires at the ack bound
 	// ack is 0 while waiting, 1 once acknowledged, 2 once timed out. The
 	// first to move it decides, as for the time to first byte.
 	ack atomic.Int32
+}
+
+// ackTimer is a flight's ack bound. Most requests are acknowledged (or
+// answered) well within it, so the timer and its callback are reused, as
+// an attempt's watchdog is (watchdog.go): one goes back to the pool only
+// when acked stopped it before it ever went off, so that no call of fire
+// can still come for it.
+type ackTimer struct {
+	f *flight // the flight it bounds
+
+	mu    sync.Mutex // guards spent, and orders it against Stop
+	t     *time.Timer
+	spent bool // went off during this flight: not to be reused
+}
+
+func (a *ackTimer) fire() {
+	a.mu.Lock()
+	a.spent = true
+	a.mu.Unlock()
+	a.f.ackExpired()
 }
 
 func newLiveness(h host.Host, reg *Registry, log zerolog.Logger, ctx context.Context, wg *sync.WaitGroup) *liveness {
@@ -153,7 +175,20 @@ func (l *liveness) begin(ctx context.Context, cancel context.CancelCauseFunc, p 
 	l.startLocked(p, f.w)
 	l.mu.Unlock()
 	f.bound = l.ackTimeout(p)
-	f.timer = time.AfterFunc(f.bound, f.ackExpired)
+	a, _ := l.ackTimers.Get().(*ackTimer)
+	if a == nil {
+		a = &ackTimer{}
+	}
+	a.f = f
+	f.timer = a
+	a.mu.Lock()
+	a.spent = false
+	if a.t == nil {
+		a.t = time.AfterFunc(f.bound, a.fire)
+	} else {
+		a.t.Reset(f.bound) // stopped when pooled: no fire is pending
+	}
+	a.mu.Unlock()
 	return f, transport.WithAck(ctx, f.acked)
 }
 
@@ -172,7 +207,14 @@ func (f *flight) end() {
 // which is one too).
 func (f *flight) acked() {
 	if f.ack.CompareAndSwap(0, 1) {
-		f.timer.Stop()
+		a := f.timer
+		a.mu.Lock()
+		reuse := a.t.Stop() && !a.spent
+		a.mu.Unlock()
+		if reuse {
+			a.f = nil
+			f.l.ackTimers.Put(a)
+		}
 	}
 }
 
@@ -188,7 +230,7 @@ func (f *flight) ackExpired() {
 	// still ends it if the agent goes quiet).
 	if f.l.pingNow(f.p, 2*f.bound) {
 		if f.ack.Load() == 0 {
-			f.timer.Reset(f.bound)
+			f.timer.t.Reset(f.bound) // spent already: never reused
 		}
 		return
 	}

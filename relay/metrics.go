@@ -2,6 +2,7 @@ package relay
 
 import (
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -23,6 +24,22 @@ type metrics struct {
 	forged   prometheus.Counter // peers cut off for forged gossip
 	index    *indexMetrics      // prefix index traffic (prefix.go)
 	relay    *Relay
+
+	// Children of requests and affinity, resolved once per label set:
+	// WithLabelValues validates and hashes its labels, takes the vector's
+	// lock and (for the status) needed strconv on every request. Series
+	// still appear on first use only, as before.
+	resolved struct {
+		mu       sync.RWMutex // guards the maps
+		requests map[requestLabels]prometheus.Counter
+		affinity map[string]prometheus.Counter
+	}
+}
+
+// requestLabels are the labels of computeflux_requests_total.
+type requestLabels struct {
+	agent  string
+	status int
 }
 
 // latencyBuckets span a cached turn on loopback to a long cold prefill.
@@ -81,14 +98,51 @@ func (m *metrics) observe(rl *reqLog, dur time.Duration) {
 	if rl.status == 0 {
 		return
 	}
-	m.requests.WithLabelValues(rl.agent, strconv.Itoa(rl.status)).Inc()
+	m.requestCounter(rl.agent, rl.status).Inc()
 	if rl.affinity != "" {
-		m.affinity.WithLabelValues(rl.affinity).Inc()
+		m.affinityCounter(rl.affinity).Inc()
 	}
 	if rl.ttfb > 0 {
 		m.ttfb.Observe(rl.ttfb.Seconds())
 	}
 	m.duration.Observe(dur.Seconds())
+}
+
+// requestCounter returns the requests counter of agent and status.
+func (m *metrics) requestCounter(agent string, status int) prometheus.Counter {
+	k := requestLabels{agent, status}
+	m.resolved.mu.RLock()
+	c, ok := m.resolved.requests[k]
+	m.resolved.mu.RUnlock()
+	if ok {
+		return c
+	}
+	c = m.requests.WithLabelValues(agent, strconv.Itoa(status))
+	m.resolved.mu.Lock()
+	if m.resolved.requests == nil {
+		m.resolved.requests = make(map[requestLabels]prometheus.Counter)
+	}
+	m.resolved.requests[k] = c
+	m.resolved.mu.Unlock()
+	return c
+}
+
+// affinityCounter returns the affinity counter of result.
+func (m *metrics) affinityCounter(result string) prometheus.Counter {
+	m.resolved.mu.RLock()
+	c, ok := m.resolved.affinity[result]
+	m.resolved.mu.RUnlock()
+	if ok {
+		return c
+	}
+	c = m.affinity.WithLabelValues(result)
+	m.resolved.mu.Lock()
+	if m.resolved.affinity == nil {
+		m.resolved.affinity = make(map[string]prometheus.Counter)
+	}
+	m.resolved.affinity[result] = c
+	m.resolved.mu.Unlock()
+	return c
 }
 
 func (m *metrics) updateRoutable() {

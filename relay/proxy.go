@@ -11,7 +11,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/computeflux/computeflux/scheduler"
@@ -194,17 +193,12 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	tgt.authorize(up.Header)
 
 	start := r.cfg.Clock.Now()
-	// The first byte and the timer race for ttfbDecided: the winner alone
+	// The first byte and the timer race in the watchdog: the winner alone
 	// decides whether the attempt timed out. Timer.Stop cannot tell: it
 	// returns false once the timer's function has started, before that
 	// function has cancelled anything.
-	var ttfbDecided atomic.Bool
-	ttfbTimer := time.AfterFunc(r.cfg.TTFBTimeout, func() {
-		if ttfbDecided.CompareAndSwap(false, true) {
-			cancel(ErrTTFBTimeout)
-		}
-	})
-	defer ttfbTimer.Stop()
+	wd := r.watchdogs.get(r.cfg.TTFBTimeout, r.cfg.IdleTimeout, cancel)
+	defer wd.stop()
 
 	resp, err := tgt.rt.RoundTrip(up)
 	if err != nil {
@@ -232,8 +226,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	defer bufPool.Put(bp)
 	buf := *bp
 	n, rerr := readSome(resp.Body, buf)
-	ttfbTimer.Stop()
-	if !ttfbDecided.CompareAndSwap(false, true) {
+	if !wd.firstByte() {
 		// The timer fired as the first byte arrived: the request is
 		// cancelled (or about to be), and nothing has gone to the client
 		// yet.
@@ -250,7 +243,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	if !sse && resp.StatusCode/100 == 2 {
 		// A successful non-streamed answer must be JSON before the client
 		// sees it; a broken one can still be retried elsewhere.
-		first, rerr = readChecked(resp.Body, first, rerr, r.cfg.IdleTimeout, cancel)
+		first, rerr = readChecked(resp.Body, first, rerr, wd)
 		if rerr != nil && rerr != io.EOF {
 			if cause := context.Cause(ctx); errors.Is(cause, ErrIdleTimeout) {
 				rerr = cause
@@ -296,10 +289,9 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	defer cp.clearDeadline()
 	werr, ferr := cp.writeUpstream(first)
 	if werr == nil && ferr == nil && rerr == nil {
-		idleTimer := time.AfterFunc(r.cfg.IdleTimeout, func() { cancel(ErrIdleTimeout) })
 		for {
 			n, rerr = resp.Body.Read(buf)
-			idleTimer.Reset(r.cfg.IdleTimeout)
+			wd.touch()
 			if n > 0 {
 				if werr, ferr = cp.writeUpstream(buf[:n]); werr != nil || ferr != nil {
 					break
@@ -309,8 +301,8 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 				break
 			}
 		}
-		idleTimer.Stop()
 	}
+	wd.stop() // the body is read: what follows are writes, bounded by their deadline
 	if werr == nil && ferr == nil && rerr == io.EOF {
 		werr, ferr = cp.endUpstream()
 	}
@@ -395,11 +387,19 @@ type streamCopier struct {
 	out     []byte     // framed events to write, reused
 }
 
+// heldWrite is how much of a response net/http holds in its response
+// buffer (bufferBeforeChunkingSize) before it writes to the connection: an
+// unflushed body up to that size reaches the socket only after the handler
+// returned, so its writes cannot block on the client and need no deadline.
+// Setting and clearing one for every small answer was two runtime timer
+// updates per request.
+const heldWrite = 2048
+
 func (s *streamCopier) write(p []byte) error {
 	if len(p) == 0 {
 		return nil
 	}
-	if s.rc.SetWriteDeadline(s.clock.Now().Add(s.idle)) == nil {
+	if (s.flush || s.written+int64(len(p)) > heldWrite) && s.rc.SetWriteDeadline(s.clock.Now().Add(s.idle)) == nil {
 		s.dl = true
 	}
 	n, err := s.w.Write(p)

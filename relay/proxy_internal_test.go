@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestForwardedHeadersCanonical(t *testing.T) {
@@ -74,4 +75,53 @@ type zeros struct{}
 func (zeros) Read(p []byte) (int, error) {
 	clear(p)
 	return len(p), nil
+}
+
+// deadlineWriter is a ResponseWriter that counts write deadlines.
+type deadlineWriter struct {
+	httptest.ResponseRecorder
+	deadlines int
+}
+
+func (w *deadlineWriter) SetWriteDeadline(t time.Time) error {
+	if !t.IsZero() {
+		w.deadlines++
+	}
+	return nil
+}
+
+// TestStreamCopierDeadlines checks that every write that may reach the
+// client's connection before the handler returns has a deadline: flushed
+// writes and writes past what net/http holds; the rest need none.
+func TestStreamCopierDeadlines(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		flush  bool
+		writes []int
+		want   int
+	}{
+		{"small answer", false, []int{600, 1}, 0},
+		{"held in full", false, []int{heldWrite}, 0},
+		{"past the held bytes", false, []int{1000, 1000, 48, 1, 4000}, 2},
+		{"large answer", false, []int{32 << 10, 10}, 2},
+		{"flushed", true, []int{10, 10, 10}, 3},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			w := &deadlineWriter{ResponseRecorder: *httptest.NewRecorder()}
+			cp := streamCopier{w: w, rc: http.NewResponseController(w), flush: c.flush, idle: time.Second, clock: realClock{}}
+			total := 0
+			for _, n := range c.writes {
+				if err := cp.write([]byte(strings.Repeat("x", n))); err != nil {
+					t.Fatal(err)
+				}
+				total += n
+			}
+			if w.deadlines != c.want {
+				t.Errorf("%d deadlines set, want %d", w.deadlines, c.want)
+			}
+			if w.Body.Len() != total || cp.dl != (c.want > 0) {
+				t.Errorf("wrote %d of %d bytes, deadline flag %v", w.Body.Len(), total, cp.dl)
+			}
+		})
+	}
 }

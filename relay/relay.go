@@ -64,6 +64,8 @@ type Relay struct {
 
 	closeOnce sync.Once
 	closeErr  error
+
+	watchdogs watchdogPool // attempts' timers, reused (watchdog.go)
 }
 
 // New builds a relay from cfg: the scheduler, the registry of agents and,

@@ -2,11 +2,9 @@ package relay
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"io"
-	"time"
 	"unicode/utf8"
 )
 
@@ -184,21 +182,19 @@ func (s *streamCopier) endUpstream() (werr, ferr error) {
 // are first (ended by firstErr), up to maxCheckedBody, with the idle
 // timeout between reads. It returns what it read and io.EOF when the body
 // is whole, nil when it is larger than the bound (the rest is still to be
-// read), or the read error.
-func readChecked(body io.Reader, first []byte, firstErr error, idle time.Duration, cancel context.CancelCauseFunc) ([]byte, error) {
+// read), or the read error. Each read touches wd, which bounds the pauses.
+func readChecked(body io.Reader, first []byte, firstErr error, wd *watchdog) ([]byte, error) {
 	if firstErr != nil {
 		return first, firstErr
 	}
 	data := append(make([]byte, 0, 2*len(first)), first...)
-	t := time.AfterFunc(idle, func() { cancel(ErrIdleTimeout) })
-	defer t.Stop()
 	for len(data) <= maxCheckedBody {
 		if len(data) == cap(data) {
 			data = append(data, 0)[:len(data)]
 		}
 		n, err := body.Read(data[len(data):cap(data)])
 		data = data[:len(data)+n]
-		t.Reset(idle)
+		wd.touch()
 		if err != nil {
 			return data, err
 		}
