@@ -467,8 +467,8 @@ func (b *usageBody) fill() {
 
 // eventEnd returns the length of b's first event, the blank line that ends
 // it included, or -1 when b holds no complete event. Lines end in "\n" or
-// "\r\n" (sse-starlette, behind llama-cpp-python's server among others,
-// ends its lines in CRLF); a stream whose lines end in a lone "\r", which
+// "\r\n" (sse-starlette's default separator, for a server built on it
+// that keeps the default); a stream whose lines end in a lone "\r", which
 // the format allows too and no engine is known to write, is not cut.
 func eventEnd(b []byte) int {
 	for i := 0; ; {

@@ -234,8 +234,8 @@ func TestUsageBodyEventsAcrossReads(t *testing.T) {
 	}
 }
 
-// TestUsageBodyCRLFEvents: events whose lines end in CRLF (as
-// sse-starlette writes them, llama-cpp-python's server among others) are
+// TestUsageBodyCRLFEvents: events whose lines end in CRLF (sse-starlette's
+// default separator, for a server built on it that keeps it) are
 // cut as events too: each is passed on as soon as it is complete, not held
 // back until the buffer is full or the stream ends, and the usage chunk is
 // read and dropped.
