@@ -132,9 +132,9 @@ func bufferBody(next http.Handler) http.Handler {
 			if err != nil {
 				var tooBig *http.MaxBytesError
 				if errors.As(err, &tooBig) {
-					http.Error(w, "request body too large", http.StatusRequestEntityTooLarge)
+					writeBodyError(w, http.StatusRequestEntityTooLarge, "request_too_large", "request body too large")
 				} else {
-					http.Error(w, "reading request body failed", http.StatusBadRequest)
+					writeBodyError(w, http.StatusBadRequest, "bad_request_body", "reading request body failed")
 				}
 				return
 			}
@@ -150,6 +150,15 @@ func bufferBody(next http.Handler) http.Handler {
 		}
 		next.ServeHTTP(w, r)
 	})
+}
+
+// writeBodyError answers a body the stream server could not read in
+// OpenAI's error shape, as every other error on the path is answered.
+func writeBodyError(w http.ResponseWriter, status int, code, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Connection", "close") // the rest of the body is unread
+	w.WriteHeader(status)
+	fmt.Fprintf(w, `{"error":{"message":%q,"type":"invalid_request_error","code":%q}}`+"\n", msg, code)
 }
 
 // preallocBody is the largest declared body length given its buffer before

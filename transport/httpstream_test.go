@@ -3,6 +3,7 @@ package transport
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -459,4 +460,44 @@ func TestBodyHandlerGetsTheBody(t *testing.T) {
 			t.Fatalf("%s: handler got %q (want %q), answer %q", tc.method, got, tc.want, b)
 		}
 	}
+}
+
+func TestHTTPBodyErrorsAreOpenAIErrors(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	called := make(chan struct{}, 1)
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { called <- struct{}{} }), cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	// A body of unknown length past MaxRequestBody (sent chunked).
+	big := io.MultiReader(strings.NewReader(`{"a":"`), io.LimitReader(repeatA{}, MaxRequestBody+1))
+	req, _ := http.NewRequest(http.MethodPost, "http://"+srv.ID().String()+"/x", big)
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var e struct {
+		Error struct{ Message, Type, Code string }
+	}
+	if resp.StatusCode != http.StatusRequestEntityTooLarge || resp.Header.Get("Content-Type") != "application/json" {
+		t.Fatalf("status %d, Content-Type %q; want 413 application/json", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&e); err != nil || e.Error.Code != "request_too_large" || e.Error.Message == "" {
+		t.Fatalf("error body %+v (%v): want OpenAI's error shape with code request_too_large", e, err)
+	}
+	select {
+	case <-called:
+		t.Fatal("the handler ran for a body over the bound")
+	default:
+	}
+}
+
+// repeatA reads as an endless run of 'a'.
+type repeatA struct{}
+
+func (repeatA) Read(p []byte) (int, error) {
+	for i := range p {
+		p[i] = 'a'
+	}
+	return len(p), nil
 }
