@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -154,5 +156,36 @@ func TestPercentileNearestRank(t *testing.T) {
 	}
 	if got := percentile([]time.Duration(nil), .5); got != 0 {
 		t.Errorf("percentile of none = %v", got)
+	}
+}
+
+func TestWarmUpCountsAThirdPartysFailures(t *testing.T) {
+	var n atomic.Int64
+	var failAll atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if n.Add(1)%50 == 0 || failAll.Load() { // one request in 50 fails, as frp's http proxy's now and then
+			http.Error(w, "dropped", http.StatusBadGateway)
+			return
+		}
+		w.Write([]byte(`{"ok":true}`))
+	}))
+	defer srv.Close()
+	ctx := context.Background()
+
+	ours := &target{name: "computeflux", url: srv.URL, client: srv.Client()}
+	if err := ours.warm(ctx, 100); err == nil {
+		t.Fatal("warm-up of our own path passed with failed requests")
+	}
+	frp := &target{name: "frp-http", url: srv.URL, client: srv.Client(), foreign: true}
+	if err := frp.warm(ctx, 100); err != nil {
+		t.Fatalf("warm-up of a third party's path: %v", err)
+	}
+	if frp.warmErrs == 0 {
+		t.Fatal("the failed warm-up requests were not counted")
+	}
+	dead := &target{name: "frp-http", url: srv.URL, client: srv.Client(), foreign: true}
+	failAll.Store(true)
+	if err := dead.warm(ctx, 20); err == nil {
+		t.Fatal("warm-up of a third party's path that fails every request passed")
 	}
 }
