@@ -383,6 +383,11 @@ type usageBody struct {
 
 	buf           *[]byte // the stream's bytes; from copyBuffers unless grown
 	lo, ready, hi int
+	// scan is where the last search for an event's end stopped: buf[ready:
+	// scan] holds none, so the next search starts two bytes before it (a
+	// blank line's "\n\r\n" may straddle it) instead of at ready, and a
+	// long event arriving in small reads is searched once, not once per read.
+	scan int
 	err           error   // the upstream's read error, once seen
 	kept          *[]byte // from keptBuffers
 	over          bool    // the JSON answer was larger than maxUsageJSON
@@ -436,11 +441,13 @@ func (b *usageBody) fill() {
 	buf := *b.buf
 	if b.lo > 0 {
 		b.hi = copy(buf, buf[b.lo:b.hi])
+		b.scan = max(b.scan-b.lo, 0)
 		b.lo, b.ready = 0, 0
 	}
 	if b.hi == len(buf) {
 		if len(buf) >= maxUsageEvent {
 			b.ready = b.hi // too long to be held back: passed on unread
+			b.scan = b.hi
 			return
 		}
 		grown := make([]byte, min(2*len(buf), maxUsageEvent))
@@ -452,13 +459,16 @@ func (b *usageBody) fill() {
 	b.hi += n
 	b.err = err
 	for {
-		i := eventEnd(buf[b.ready:b.hi])
+		from := max(b.ready, b.scan-2)
+		i := eventEnd(buf[from:b.hi])
 		if i < 0 {
+			b.scan = b.hi
 			return
 		}
-		end := b.ready + i
+		end := from + i
 		if b.usageOnly(buf[b.ready:end]) && b.strip {
 			b.hi = b.ready + copy(buf[b.ready:], buf[end:b.hi])
+			b.scan = b.ready
 			continue
 		}
 		b.ready = end

@@ -288,7 +288,7 @@ func TestUsageBodyLongEvents(t *testing.T) {
 		{"long usage chunk", text + usageEv + "data: [DONE]\n\n", text + "data: [DONE]\n\n", 10},
 		{"usage chunk past the bound", text + huge + "data: [DONE]\n\n", text + huge + "data: [DONE]\n\n", 0},
 	} {
-		for _, step := range []int{1000, 70000} {
+		for _, step := range []int{61, 1000, 70000} {
 			b := &usageBody{rc: io.NopCloser(&trickle{s: tc.stream, n: step}), sse: true, strip: true}
 			out, err := io.ReadAll(b)
 			if err != nil {
@@ -526,4 +526,18 @@ func FuzzUsageScans(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(checkScans)
+}
+
+// BenchmarkUsageBodyLongEvent reads a stream whose one event is 1,000 KiB
+// long (under the 1 MiB bound, so it is held back whole) in reads of 64 bytes.
+func BenchmarkUsageBodyLongEvent(b *testing.B) {
+	stream := "data: {\"choices\":[{\"delta\":{\"content\":\"" + strings.Repeat("x", 1000<<10) + "\"}}]}\n\ndata: [DONE]\n\n"
+	b.SetBytes(int64(len(stream)))
+	for b.Loop() {
+		ub := &usageBody{rc: io.NopCloser(&trickle{s: stream, n: 64}), sse: true, strip: true}
+		if n, err := io.Copy(io.Discard, ub); err != nil || n != int64(len(stream)) {
+			b.Fatalf("%d bytes, %v", n, err)
+		}
+		ub.Close()
+	}
 }
