@@ -183,7 +183,7 @@ func (s *streamCopier) endUpstream() (werr, ferr error) {
 // timeout between reads. It returns what it read and io.EOF when the body
 // is whole, nil when it is larger than the bound (the rest is still to be
 // read), or the read error. Each read touches wd, which bounds the pauses.
-func readChecked(body io.Reader, first []byte, firstErr error, wd *watchdog) ([]byte, error) {
+func readChecked(body io.Reader, first []byte, firstErr error, wd wdRef) ([]byte, error) {
 	if firstErr != nil {
 		return first, firstErr
 	}

@@ -20,6 +20,10 @@ import (
 // stopped a timer armed by this attempt alone (Stop true) and the timer
 // never went off during the attempt (spent false). A fire that went off
 // taints it, through Reset's result or in fire itself, both under mu.
+//
+// An attempt holds its watchdog through a wdRef, which stop ends: a
+// stop through the ref of an earlier attempt, whose watchdog went back to
+// the pool and out again to another attempt, does nothing.
 type watchdog struct {
 	cancel context.CancelCauseFunc
 	idle   time.Duration
@@ -31,7 +35,27 @@ type watchdog struct {
 	mu    sync.Mutex // orders Reset against Stop, so that a stopped watchdog stays stopped
 	t     *time.Timer
 	spent bool // the timer went off during this attempt: not to be reused
+
+	gen atomic.Uint64 // the attempts it went back to the pool after
 }
+
+// wdRef is an attempt's hold on a watchdog: the watchdog and its
+// generation when the attempt took it.
+type wdRef struct {
+	d   *watchdog
+	gen uint64
+}
+
+// firstByte is watchdog.firstByte.
+func (r wdRef) firstByte() bool { return r.d.firstByte() }
+
+// touch is watchdog.touch.
+func (r wdRef) touch() { r.d.touch() }
+
+// stop ends the attempt's watchdog; it may be called more than once, also
+// after the watchdog was given to another attempt, and the attempt uses r
+// no more after it.
+func (r wdRef) stop() { r.d.stop(r.gen) }
 
 // watchdogPool holds stopped watchdogs whose timer can fire no more. Each
 // Relay has its own, so that timers stay with the relay that made them
@@ -49,7 +73,7 @@ const (
 // get arms a watchdog that cancels with ErrTTFBTimeout unless
 // firstByte is called within ttfb, then with ErrIdleTimeout once touch
 // was not called for idle.
-func (p *watchdogPool) get(ttfb, idle time.Duration, cancel context.CancelCauseFunc) *watchdog {
+func (p *watchdogPool) get(ttfb, idle time.Duration, cancel context.CancelCauseFunc) wdRef {
 	d, _ := p.p.Get().(*watchdog)
 	if d == nil {
 		d = &watchdog{pool: p}
@@ -65,7 +89,7 @@ func (p *watchdogPool) get(ttfb, idle time.Duration, cancel context.CancelCauseF
 		d.t.Reset(ttfb) // stopped when pooled: no fire is pending
 	}
 	d.mu.Unlock()
-	return d
+	return wdRef{d, d.gen.Load()}
 }
 
 // firstByte records the first response byte and reports whether it came in
@@ -91,10 +115,11 @@ func (d *watchdog) touch() {
 	d.last.Store(int64(time.Since(d.start)))
 }
 
-// stop ends the watchdog; it may be called more than once, and d is not to
-// be used after it.
-func (d *watchdog) stop() {
-	if d.phase.Swap(wdStopped) == wdStopped {
+// stop ends the watchdog of the attempt that took it at generation gen.
+// Once the watchdog went back to the pool, a later stop of that attempt
+// (gen no longer current) leaves it to whichever attempt holds it now.
+func (d *watchdog) stop(gen uint64) {
+	if d.gen.Load() != gen || d.phase.Swap(wdStopped) == wdStopped {
 		return
 	}
 	d.mu.Lock()
@@ -102,6 +127,7 @@ func (d *watchdog) stop() {
 	d.mu.Unlock()
 	if reuse {
 		d.cancel = nil
+		d.gen.Add(1) // before Put: this attempt's stops end here
 		d.pool.p.Put(d)
 	}
 }

@@ -14,7 +14,7 @@ func TestWatchdog(t *testing.T) {
 	const ttfb, idle = 10 * time.Second, 3 * time.Second
 	// run starts a watchdog, lets steps run against it and returns the
 	// cause the attempt was cancelled with (nil if none) and when.
-	run := func(t *testing.T, steps func(d *watchdog)) (after time.Duration, cause error) {
+	run := func(t *testing.T, steps func(d wdRef)) (after time.Duration, cause error) {
 		var got error
 		var at time.Duration
 		synctest.Test(t, func(t *testing.T) {
@@ -34,13 +34,13 @@ func TestWatchdog(t *testing.T) {
 		return at, got
 	}
 	t.Run("no first byte", func(t *testing.T) {
-		at, cause := run(t, func(*watchdog) {})
+		at, cause := run(t, func(wdRef) {})
 		if cause != ErrTTFBTimeout || at != ttfb {
 			t.Fatalf("cause %v after %v, want %v after %v", cause, at, ErrTTFBTimeout, ttfb)
 		}
 	})
 	t.Run("first byte late", func(t *testing.T) {
-		_, cause := run(t, func(d *watchdog) {
+		_, cause := run(t, func(d wdRef) {
 			time.Sleep(ttfb + time.Second)
 			if d.firstByte() {
 				t.Error("firstByte after the bound reported in time")
@@ -51,7 +51,7 @@ func TestWatchdog(t *testing.T) {
 		}
 	})
 	t.Run("reads keep it alive, then a pause", func(t *testing.T) {
-		at, cause := run(t, func(d *watchdog) {
+		at, cause := run(t, func(d wdRef) {
 			time.Sleep(ttfb - time.Second)
 			if !d.firstByte() {
 				t.Error("firstByte in time reported late")
@@ -66,7 +66,7 @@ func TestWatchdog(t *testing.T) {
 		}
 	})
 	t.Run("pause right after the first byte", func(t *testing.T) {
-		at, cause := run(t, func(d *watchdog) {
+		at, cause := run(t, func(d wdRef) {
 			time.Sleep(time.Second)
 			d.firstByte()
 		})
@@ -76,7 +76,7 @@ func TestWatchdog(t *testing.T) {
 	})
 	t.Run("stopped", func(t *testing.T) {
 		for _, first := range []bool{false, true} {
-			_, cause := run(t, func(d *watchdog) {
+			_, cause := run(t, func(d wdRef) {
 				if first {
 					d.firstByte()
 					time.Sleep(2 * time.Second)
@@ -88,6 +88,40 @@ func TestWatchdog(t *testing.T) {
 			if cause != nil {
 				t.Fatalf("first byte %v: cancelled with %v after stop", first, cause)
 			}
+		}
+	})
+}
+
+// TestWatchdogStaleStop stops a watchdog twice as an attempt does (once
+// its body is read, again on return) with another attempt taking a
+// watchdog from the pool in between: the second stop must leave the other
+// attempt's bounds alone.
+func TestWatchdogStaleStop(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const bound = time.Second
+		var pool watchdogPool // of this bubble
+		for i := range 20 {
+			ctxA, cancelA := context.WithCancelCause(context.Background())
+			a := pool.get(bound, bound, cancelA)
+			a.firstByte()
+			a.stop() // the body is read
+			ctxB, cancelB := context.WithCancelCause(context.Background())
+			b := pool.get(bound, bound, cancelB) // most often given a's watchdog
+			a.stop()                             // a's deferred stop
+			if !b.firstByte() {
+				t.Fatalf("round %d: a first byte in time reported late after another attempt's second stop", i)
+			}
+			time.Sleep(2 * bound)
+			synctest.Wait()
+			if cause := context.Cause(ctxB); cause != ErrIdleTimeout {
+				t.Fatalf("round %d: paused attempt cancelled with %v, want %v", i, cause, ErrIdleTimeout)
+			}
+			if cause := context.Cause(ctxA); cause != nil {
+				t.Fatalf("round %d: stopped attempt cancelled with %v", i, cause)
+			}
+			b.stop()
+			cancelA(nil)
+			cancelB(nil)
 		}
 	})
 }
