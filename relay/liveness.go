@@ -192,8 +192,13 @@ func (l *liveness) begin(ctx context.Context, cancel context.CancelCauseFunc, p 
 	return f, transport.WithAck(ctx, f.acked)
 }
 
-// end unregisters f.
+// end unregisters f and disarms its ack bound as an acknowledgement does:
+// an attempt over before its ack (its round trip failed, its client left)
+// waits for none, and a bound left armed would go off after it, ping the
+// agent and, the agent answering, re-arm itself for as long as the relay
+// runs.
 func (f *flight) end() {
+	f.acked()
 	l := f.l
 	l.mu.Lock()
 	delete(f.w.flights, f)
