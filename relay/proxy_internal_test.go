@@ -1,11 +1,14 @@
 package relay
 
 import (
+	"bytes"
 	"encoding/json"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -123,5 +126,61 @@ func TestStreamCopierDeadlines(t *testing.T) {
 				t.Errorf("wrote %d of %d bytes, deadline flag %v", w.Body.Len(), total, cp.dl)
 			}
 		})
+	}
+}
+
+// TestHeldWriteStaysInServer holds heldWrite to net/http's own response
+// buffer: an unflushed answer of up to heldWrite bytes, written by a
+// streamCopier without a write deadline, must send nothing to the client
+// (not even its head) before the handler returns, so that its writes cannot
+// block on a client that stops reading. net/http holds more (its
+// connection's buffer too, 4 KiB), so heldWrite errs on the safe side; an
+// answer past both must go out at once: the check can tell.
+func TestHeldWriteStaysInServer(t *testing.T) {
+	for _, c := range []struct {
+		size int
+		held bool
+	}{{heldWrite, true}, {4 * heldWrite, false}} {
+		wrote, release := make(chan struct{}), make(chan struct{})
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Length", strconv.Itoa(c.size))
+			w.WriteHeader(http.StatusOK)
+			cp := streamCopier{w: w, rc: http.NewResponseController(w), idle: time.Minute, clock: realClock{}}
+			if err := cp.write([]byte(strings.Repeat("x", c.size))); err != nil {
+				t.Error(err)
+			}
+			if cp.dl == c.held {
+				t.Errorf("%d bytes: write deadline set %v", c.size, cp.dl)
+			}
+			close(wrote)
+			<-release
+			cp.clearDeadline()
+		}))
+		conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.WriteString(conn, "GET / HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		<-wrote
+		// Whatever the write sent is on loopback well within this.
+		_ = conn.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+		var one [1]byte
+		n, _ := conn.Read(one[:])
+		close(release)
+		if sent := n > 0; sent == c.held {
+			t.Errorf("%d bytes unflushed: bytes reached the client before the handler returned: %v", c.size, sent)
+		}
+		_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+		rest, err := io.ReadAll(conn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if body := len(rest) + n - bytes.Index(append(one[:n], rest...), []byte("\r\n\r\n")) - 4; body != c.size {
+			t.Errorf("%d bytes: client got a body of %d", c.size, body)
+		}
+		_ = conn.Close()
+		srv.Close()
 	}
 }
