@@ -404,16 +404,20 @@ func (r *Relay) forwardStored(w http.ResponseWriter, req *http.Request, id strin
 		r.responses.drop(id)
 	}
 	w.WriteHeader(resp.StatusCode)
-	rc := http.NewResponseController(w)
+	// Each write is bounded by the idle timeout, as an inference answer's
+	// are: a client that stops reading must not hold the handler and the
+	// agent's stream for good.
+	cp := streamCopier{w: w, rc: http.NewResponseController(w), flush: true, idle: r.cfg.IdleTimeout, clock: r.cfg.Clock}
+	defer cp.clearDeadline()
 	bp := bufPool.Get().(*[]byte)
 	defer bufPool.Put(bp)
 	for {
 		n, rerr := resp.Body.Read(*bp)
 		if n > 0 {
-			if _, werr := w.Write((*bp)[:n]); werr != nil {
+			if werr := cp.write((*bp)[:n]); werr != nil {
+				rl.err = werr
 				return nil
 			}
-			_ = rc.Flush()
 		}
 		if rerr != nil {
 			if !errors.Is(rerr, io.EOF) {

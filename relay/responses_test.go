@@ -1,13 +1,16 @@
 package relay
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/computeflux/computeflux/transport"
 )
@@ -255,4 +258,51 @@ func FuzzScanResponseID(f *testing.F) {
 			}
 		}
 	})
+}
+
+func TestStoredResponseClientNotReadingIsCut(t *testing.T) {
+	tb := newTestbed(t, nil, func(c *Config) { c.IdleTimeout = 200 * time.Millisecond })
+	var n atomic.Int64
+	e := tb.addAgent("a", []string{"m1"})
+	if err := tb.relay.Registry().Joined(tb.peers["a"], transport.JoinInfo{Name: "a", Models: []string{"m1"}, APIs: []string{pathResponses}}); err != nil {
+		t.Fatal(err)
+	}
+	ended := make(chan error, 1)
+	e.set(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if r.Method == http.MethodPost {
+			w.Header().Set("Content-Type", "application/json")
+			fmt.Fprintf(w, `{"id":"resp_a_%d","object":"response","status":"completed"}`, n.Add(1))
+			return
+		}
+		// A stored response far larger than every buffer between the
+		// engine and a client that does not read (at most 256 MiB).
+		w.Header().Set("Content-Type", "application/json")
+		chunk := bytes.Repeat([]byte("x"), 64<<10)
+		for i := 0; i < 4096; i++ {
+			if _, err := w.Write(chunk); err != nil {
+				ended <- err
+				return
+			}
+		}
+		ended <- nil
+	})
+	id, _ := responseID(t, tb.do("POST", "/v1/responses", `{"model":"m1","input":"hi"}`))
+
+	c, err := net.Dial("tcp", tb.srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fmt.Fprintf(c, "GET /v1/responses/%s HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer %s\r\n\r\n", id, testKey)
+	// The client reads nothing: the relay's write times out after the
+	// idle timeout and the upstream answer is dropped, which the engine
+	// sees as a failed write.
+	select {
+	case err := <-ended:
+		if err == nil {
+			t.Fatal("the engine wrote 256 MiB to a client that reads nothing")
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the relay still holds the stored response for a client that stopped reading")
+	}
 }
