@@ -388,11 +388,11 @@ type usageBody struct {
 	// blank line's "\n\r\n" may straddle it) instead of at ready, and a
 	// long event arriving in small reads is searched once, not once per read.
 	scan int
-	err           error   // the upstream's read error, once seen
-	kept          *[]byte // from keptBuffers
-	over          bool    // the JSON answer was larger than maxUsageJSON
-	u             usage
-	done          bool // the usage was reported (or the answer cut short)
+	err  error   // the upstream's read error, once seen
+	kept *[]byte // from keptBuffers
+	over bool    // the JSON answer was larger than maxUsageJSON
+	u    usage
+	done bool // the usage was reported (or the answer cut short)
 }
 
 func (b *usageBody) Read(p []byte) (int, error) {
