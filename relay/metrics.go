@@ -25,15 +25,9 @@ type metrics struct {
 	index    *indexMetrics      // prefix index traffic (prefix.go)
 	relay    *Relay
 
-	// Children of requests and affinity, resolved once per label set:
-	// WithLabelValues validates and hashes its labels, takes the vector's
-	// lock and (for the status) needed strconv on every request. Series
-	// still appear on first use only, as before.
-	resolved struct {
-		mu       sync.RWMutex // guards the maps
-		requests map[requestLabels]prometheus.Counter
-		affinity map[string]prometheus.Counter
-	}
+	// Children of requests and affinity, resolved once per label set.
+	requestsBy resolvedCounters[requestLabels]
+	affinityBy resolvedCounters[string]
 }
 
 // requestLabels are the labels of computeflux_requests_total.
@@ -108,41 +102,46 @@ func (m *metrics) observe(rl *reqLog, dur time.Duration) {
 	m.duration.Observe(dur.Seconds())
 }
 
-// requestCounter returns the requests counter of agent and status.
-func (m *metrics) requestCounter(agent string, status int) prometheus.Counter {
-	k := requestLabels{agent, status}
-	m.resolved.mu.RLock()
-	c, ok := m.resolved.requests[k]
-	m.resolved.mu.RUnlock()
+// resolvedCounters holds a counter vector's children by a key of their
+// labels: WithLabelValues validates and hashes its labels, takes the
+// vector's lock and (for a status) needs strconv, so each label set is
+// resolved once. Series still appear on first use only. The zero value is
+// empty.
+type resolvedCounters[K comparable] struct {
+	mu sync.RWMutex // guards m
+	m  map[K]prometheus.Counter
+}
+
+// get returns the child of k, resolved by resolve the first time.
+func (r *resolvedCounters[K]) get(k K, resolve func(K) prometheus.Counter) prometheus.Counter {
+	r.mu.RLock()
+	c, ok := r.m[k]
+	r.mu.RUnlock()
 	if ok {
 		return c
 	}
-	c = m.requests.WithLabelValues(agent, strconv.Itoa(status))
-	m.resolved.mu.Lock()
-	if m.resolved.requests == nil {
-		m.resolved.requests = make(map[requestLabels]prometheus.Counter)
+	c = resolve(k)
+	r.mu.Lock()
+	if r.m == nil {
+		r.m = make(map[K]prometheus.Counter)
 	}
-	m.resolved.requests[k] = c
-	m.resolved.mu.Unlock()
+	r.m[k] = c
+	r.mu.Unlock()
 	return c
+}
+
+// requestCounter returns the requests counter of agent and status.
+func (m *metrics) requestCounter(agent string, status int) prometheus.Counter {
+	return m.requestsBy.get(requestLabels{agent, status}, func(k requestLabels) prometheus.Counter {
+		return m.requests.WithLabelValues(k.agent, strconv.Itoa(k.status))
+	})
 }
 
 // affinityCounter returns the affinity counter of result.
 func (m *metrics) affinityCounter(result string) prometheus.Counter {
-	m.resolved.mu.RLock()
-	c, ok := m.resolved.affinity[result]
-	m.resolved.mu.RUnlock()
-	if ok {
-		return c
-	}
-	c = m.affinity.WithLabelValues(result)
-	m.resolved.mu.Lock()
-	if m.resolved.affinity == nil {
-		m.resolved.affinity = make(map[string]prometheus.Counter)
-	}
-	m.resolved.affinity[result] = c
-	m.resolved.mu.Unlock()
-	return c
+	return m.affinityBy.get(result, func(r string) prometheus.Counter {
+		return m.affinity.WithLabelValues(r)
+	})
 }
 
 func (m *metrics) updateRoutable() {
