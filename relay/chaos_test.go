@@ -58,6 +58,7 @@ type chaosResult struct {
 	stream     bool
 	start, end time.Time
 	cause      string // "ok", "error_event", "status_NNN", "conn", "truncated", "hang"
+	agent      string // the agent that answered (X-ComputeFlux-Agent), if any
 }
 
 // routedNormally reports whether the scheduler routes to endpoint id as normal:
@@ -83,7 +84,6 @@ func countFDs(t *testing.T) int {
 // chaosRequest sends one request and classifies how it ended.
 func chaosRequest(c *http.Client, url, key, session string, stream bool) chaosResult {
 	res := chaosResult{stream: stream, start: time.Now()}
-	defer func() { res.end = time.Now() }()
 	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"session %s says hello"}],"max_tokens":8,"stream":%v}`,
 		simengine.DefaultModel, session, stream)
 	ctx, cancel := context.WithTimeout(context.Background(), chaosReqTimeout)
@@ -102,6 +102,7 @@ func chaosRequest(c *http.Client, url, key, session string, stream bool) chaosRe
 		return res
 	}
 	defer resp.Body.Close()
+	res.agent = resp.Header.Get("X-ComputeFlux-Agent")
 	if resp.StatusCode != 200 {
 		_, _ = io.Copy(io.Discard, resp.Body)
 		res.cause = fmt.Sprintf("status_%d", resp.StatusCode)
@@ -364,43 +365,13 @@ func checkRestartedAgentsServe(t *testing.T, cl *relaytest.Cluster, client *http
 	for i, e := range engines {
 		setOthers(e.Name, "drain")
 		for _, stream := range []bool{false, true} {
-			agent, cause := chaosServedBy(client, cl.URL(), cl.APIKey(), fmt.Sprintf("after-%d", i), stream)
-			if cause != "ok" || agent != e.Name {
-				t.Errorf("with the others drained, a request (stream=%v) for agent %s ended %s, served by %q", stream, e.Name, cause, agent)
+			res := chaosRequest(client, cl.URL(), cl.APIKey(), fmt.Sprintf("after-%d", i), stream)
+			if res.cause != "ok" || res.agent != e.Name {
+				t.Errorf("with the others drained, a request (stream=%v) for agent %s ended %s, served by %q", stream, e.Name, res.cause, res.agent)
 			}
 		}
 		setOthers(e.Name, "undrain")
 	}
-}
-
-// chaosServedBy sends one request like chaosRequest and returns the agent
-// that served it (X-ComputeFlux-Agent) and how it ended.
-func chaosServedBy(c *http.Client, url, key, session string, stream bool) (agent, cause string) {
-	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"session %s says hello"}],"max_tokens":8,"stream":%v}`,
-		simengine.DefaultModel, session, stream)
-	ctx, cancel := context.WithTimeout(context.Background(), chaosReqTimeout)
-	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, "POST", url+"/v1/chat/completions", strings.NewReader(body))
-	req.Header.Set("Authorization", "Bearer "+key)
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-Session-ID", session)
-	resp, err := c.Do(req)
-	if err != nil {
-		return "", "conn: " + err.Error()
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	switch {
-	case err != nil:
-		return resp.Header.Get("X-ComputeFlux-Agent"), "read: " + err.Error()
-	case resp.StatusCode != http.StatusOK:
-		return resp.Header.Get("X-ComputeFlux-Agent"), fmt.Sprintf("status %d: %s", resp.StatusCode, b)
-	case stream && !strings.Contains(string(b), "data: [DONE]"):
-		return resp.Header.Get("X-ComputeFlux-Agent"), "stream without [DONE]"
-	case !stream && !json.Valid(b):
-		return resp.Header.Get("X-ComputeFlux-Agent"), "not JSON"
-	}
-	return resp.Header.Get("X-ComputeFlux-Agent"), "ok"
 }
 
 // TestDisconnectCancelsEngineOverQUIC measures, through the real path
