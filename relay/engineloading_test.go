@@ -1,7 +1,6 @@
 package relay_test
 
 import (
-	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -23,17 +22,8 @@ import (
 // once the engine has loaded, the agent identifies it again and the relay
 // routes the Responses API, which only a recognised engine gets, to it.
 func TestEngineLoadingThroughRealParts(t *testing.T) {
-	eng, err := simengine.New(simengine.Config{Listen: "127.0.0.1:0", TimeScale: 200, DefaultMaxTokens: 8})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := eng.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	ectx, ecancel := context.WithCancel(context.Background())
-	edone := make(chan error, 1)
-	go func() { edone <- eng.Run(ectx) }()
-	defer func() { ecancel(); <-edone }()
+	eng, stopEngine := runSimEngine(t)
+	defer stopEngine()
 	target, err := url.Parse(eng.URL())
 	if err != nil {
 		t.Fatal(err)

@@ -25,7 +25,9 @@ type simAgent struct {
 	stop  func()
 }
 
-func startSimAgent(t testing.TB, rl *itRelay, name string) *simAgent {
+// runSimEngine starts a fast sim engine on a loopback port; stop (which
+// may be called once) ends it and waits for it.
+func runSimEngine(t testing.TB) (eng *simengine.Server, stop func()) {
 	t.Helper()
 	eng, err := simengine.New(simengine.Config{Listen: "127.0.0.1:0", TimeScale: 200, DefaultMaxTokens: 8})
 	if err != nil {
@@ -34,9 +36,15 @@ func startSimAgent(t testing.TB, rl *itRelay, name string) *simAgent {
 	if _, err := eng.Listen(); err != nil {
 		t.Fatal(err)
 	}
-	ectx, ecancel := context.WithCancel(context.Background())
-	edone := make(chan error, 1)
-	go func() { edone <- eng.Run(ectx) }()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- eng.Run(ctx) }()
+	return eng, func() { cancel(); <-done }
+}
+
+func startSimAgent(t testing.TB, rl *itRelay, name string) *simAgent {
+	t.Helper()
+	eng, stopEngine := runSimEngine(t)
 	a, err := agent.New(agent.Config{
 		Relay:        rl.r.Addrs()[0].String(),
 		Token:        itToken,
@@ -63,8 +71,7 @@ func startSimAgent(t testing.TB, rl *itRelay, name string) *simAgent {
 		stopped = true
 		acancel()
 		<-adone
-		ecancel()
-		<-edone
+		stopEngine()
 	}
 	t.Cleanup(sa.stop)
 	return sa
