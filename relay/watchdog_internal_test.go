@@ -100,6 +100,7 @@ func TestWatchdogStaleStop(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const bound = time.Second
 		var pool watchdogPool // of this bubble
+		reused := 0           // rounds where b was given a's watchdog
 		for i := range 20 {
 			ctxA, cancelA := context.WithCancelCause(context.Background())
 			a := pool.get(bound, bound, cancelA)
@@ -107,7 +108,10 @@ func TestWatchdogStaleStop(t *testing.T) {
 			a.stop() // the body is read
 			ctxB, cancelB := context.WithCancelCause(context.Background())
 			b := pool.get(bound, bound, cancelB) // most often given a's watchdog
-			a.stop()                             // a's deferred stop
+			if b.d == a.d {
+				reused++
+			}
+			a.stop() // a's deferred stop
 			if !b.firstByte() {
 				t.Fatalf("round %d: a first byte in time reported late after another attempt's second stop", i)
 			}
@@ -122,6 +126,9 @@ func TestWatchdogStaleStop(t *testing.T) {
 			b.stop()
 			cancelA(nil)
 			cancelB(nil)
+		}
+		if reused == 0 {
+			t.Fatal("no round reused the stopped watchdog: the stale stop was never tried")
 		}
 	})
 }
