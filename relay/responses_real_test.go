@@ -57,6 +57,7 @@ func startSimAgent(t testing.TB, rl *itRelay, name string) *simAgent {
 		DrainTimeout: 2 * time.Second,
 	})
 	if err != nil {
+		stopEngine()
 		t.Fatal(err)
 	}
 	actx, acancel := context.WithCancel(context.Background())
