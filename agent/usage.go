@@ -101,17 +101,14 @@ func readBody(r *http.Request) ([]byte, error) {
 // just to read two keys was a few percent of the agent's CPU.
 func askUsage(body []byte) ([]byte, bool) {
 	var stream, opts []byte
-	plain := true
-	if !scheduler.ScanObject(body, func(k, v []byte) {
+	if !scanPlain(body, func(k, v []byte) {
 		switch {
-		case !scheduler.PlainKey(k):
-			plain = false
 		case scheduler.KeyEqualFold(k, "stream"):
 			stream = v
 		case scheduler.KeyEqualFold(k, "stream_options"):
 			opts = v
 		}
-	}) || !plain {
+	}) {
 		return askUsageJSON(body)
 	}
 	if string(stream) != "true" {
@@ -271,17 +268,14 @@ func (f *usageFields) usage() usage {
 // engine's bytes as they are either way.
 func readUsage(data []byte) (u usage, noChoices, ok bool) {
 	var choices, usg []byte
-	plain := true
-	if !scheduler.ScanObject(data, func(k, v []byte) {
+	if !scanPlain(data, func(k, v []byte) {
 		switch {
-		case !scheduler.PlainKey(k):
-			plain = false
 		case scheduler.KeyEqualFold(k, "choices"):
 			choices = v
 		case scheduler.KeyEqualFold(k, "usage"):
 			usg = v
 		}
-	}) || !plain {
+	}) {
 		return readUsageJSON(data)
 	}
 	switch {
@@ -299,30 +293,25 @@ func readUsage(data []byte) (u usage, noChoices, ok bool) {
 		return readUsageJSON(data)
 	}
 	var prompt, details []byte
-	plain = scheduler.ScanObject(usg, func(k, v []byte) {
+	plain := scanPlain(usg, func(k, v []byte) {
 		switch {
-		case !scheduler.PlainKey(k):
-			plain = false
 		case scheduler.KeyEqualFold(k, "prompt_tokens"):
 			prompt = v
 		case scheduler.KeyEqualFold(k, "prompt_tokens_details"):
 			details = v
 		}
-	}) && plain
+	})
 	u.seen = true
 	var cached []byte
 	if plain && details != nil && string(details) != "null" {
 		if details[0] != '{' {
 			return readUsageJSON(data)
 		}
-		plain = scheduler.ScanObject(details, func(k, v []byte) {
-			switch {
-			case !scheduler.PlainKey(k):
-				plain = false
-			case scheduler.KeyEqualFold(k, "cached_tokens"):
+		plain = scanPlain(details, func(k, v []byte) {
+			if scheduler.KeyEqualFold(k, "cached_tokens") {
 				cached = v
 			}
-		}) && plain
+		})
 	}
 	var okP, okC bool
 	u.prompt, okP = jsonInt(prompt)
@@ -331,6 +320,22 @@ func readUsage(data []byte) (u usage, noChoices, ok bool) {
 		return readUsageJSON(data)
 	}
 	return u, noChoices, true
+}
+
+// scanPlain calls f with each top-level key and value of the JSON object
+// obj (scheduler.ScanObject) whose key is plain (scheduler.PlainKey: no
+// escapes, ASCII only, so that KeyEqualFold matches it as encoding/json
+// would). It reports false when the scan fails or a key is not plain: then
+// only encoding/json decides what obj says.
+func scanPlain(obj []byte, f func(k, v []byte)) bool {
+	plain := true
+	return scheduler.ScanObject(obj, func(k, v []byte) {
+		if !scheduler.PlainKey(k) {
+			plain = false
+			return
+		}
+		f(k, v)
+	}) && plain
 }
 
 // jsonInt reads a JSON value into an int as encoding/json would, for the
