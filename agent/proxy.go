@@ -180,16 +180,21 @@ func hopHeader(k string) bool {
 // removeHopHeaders drops h's hop-by-hop headers and those its Connection
 // header names.
 func removeHopHeaders(h http.Header) {
+	removeConnectionNamed(h)
+	for k := range h {
+		if hopHeader(k) {
+			delete(h, k)
+		}
+	}
+}
+
+// removeConnectionNamed drops the headers h's Connection header names.
+func removeConnectionNamed(h http.Header) {
 	for _, f := range h["Connection"] {
 		for sf := range strings.SplitSeq(f, ",") {
 			if sf = textproto.TrimString(sf); sf != "" {
 				h.Del(sf)
 			}
-		}
-	}
-	for k := range h {
-		if hopHeader(k) {
-			delete(h, k)
 		}
 	}
 }
@@ -213,13 +218,7 @@ func (a *Agent) outHeader(h http.Header) http.Header {
 			break
 		}
 	}
-	for _, f := range h["Connection"] {
-		for sf := range strings.SplitSeq(f, ",") {
-			if sf = textproto.TrimString(sf); sf != "" {
-				h.Del(sf)
-			}
-		}
-	}
+	removeConnectionNamed(h)
 	for k := range h {
 		switch {
 		case hopHeader(k), k == "Authorization", k == "Forwarded",
