@@ -59,7 +59,7 @@ func (a *Agent) indexRequest(r *http.Request, body []byte) *servedReq {
 	} else if len(body) > maxHashedBody {
 		return nil
 	}
-	st := &servedReq{chain: scheduler.PromptBlocks(nil, body, a.index.cfg.Prefix)}
+	st := &servedReq{chain: scheduler.PromptBlocks(chainRoom(len(body), a.index.cfg.Prefix), body, a.index.cfg.Prefix)}
 	out, rewritten := askUsage(body)
 	if rewritten {
 		body, st.strip = out, true
@@ -73,6 +73,21 @@ func (a *Agent) indexRequest(r *http.Request, body []byte) *servedReq {
 	r.Body = io.NopCloser(&st.reader)
 	r.ContentLength = int64(len(body))
 	return st
+}
+
+// chainRoom returns an empty chain with room for the blocks of a body of n
+// bytes (its prompt's canonical text is about as long, without the JSON's
+// keys and quotes), so that the chain is one allocation rather than one per
+// doubling; nil for a body shorter than a block.
+func chainRoom(n int, cfg scheduler.PrefixConfig) []uint64 {
+	blocks := min(n/cfg.BlockBytes(), scheduler.DefaultMaxBlocks)
+	if cfg.MaxBlocks > 0 {
+		blocks = min(blocks, cfg.MaxBlocks)
+	}
+	if blocks == 0 {
+		return nil
+	}
+	return make([]uint64, 0, blocks)
 }
 
 // readBody reads r's body, up to maxHashedBody+1 bytes: in one read of its
