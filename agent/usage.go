@@ -47,7 +47,7 @@ func (a *Agent) indexRequest(r *http.Request, body []byte) *servedReq {
 	buffered := body != nil
 	if !buffered {
 		var err error
-		body, err = readBody(r)
+		body, err = io.ReadAll(io.LimitReader(r.Body, maxHashedBody+1))
 		if err != nil || len(body) > maxHashedBody {
 			// Forward what was read and the rest as it comes, unhashed.
 			r.Body = struct {
@@ -88,21 +88,6 @@ func chainRoom(n int, cfg scheduler.PrefixConfig) []uint64 {
 		return nil
 	}
 	return make([]uint64, 0, blocks)
-}
-
-// readBody reads r's body, up to maxHashedBody+1 bytes: in one read of its
-// Content-Length when that is known (transport.ServeHTTP has it in memory),
-// else as it comes.
-func readBody(r *http.Request) ([]byte, error) {
-	if n := r.ContentLength; n >= 0 && n <= maxHashedBody {
-		body := make([]byte, n)
-		k, err := io.ReadFull(r.Body, body)
-		if err == io.ErrUnexpectedEOF {
-			err = nil // shorter than announced: what there is
-		}
-		return body[:k], err
-	}
-	return io.ReadAll(io.LimitReader(r.Body, maxHashedBody+1))
 }
 
 // askUsage returns body with stream_options.include_usage set, when body is
