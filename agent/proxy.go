@@ -242,8 +242,8 @@ func (a *Agent) outHeader(h http.Header) http.Header {
 var teTrailers = []string{"trailers"}
 
 // upstreamURL returns the engine's URL for path (the upstream URL's path
-// joined with it, without query), from a table for servedPaths. The
-// returned URL is shared and must not be changed.
+// joined with it, without query), from a table for servedPaths and
+// optionalAPIs. The returned URL is shared and must not be changed.
 func (a *Agent) upstreamURL(path string) *url.URL {
 	if u, ok := a.urls[path]; ok {
 		return u
