@@ -552,11 +552,7 @@ func (b *usageBody) usageOnly(ev []byte) bool {
 
 // finish reads the usage of a non-streamed answer and reports it, once.
 func (b *usageBody) finish() {
-	if b.sse || b.over {
-		b.finishJSON(nil)
-		return
-	}
-	var kept []byte
+	var kept []byte // nil for a stream, and past maxUsageJSON
 	if b.kept != nil {
 		kept = *b.kept
 	}
