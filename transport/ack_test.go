@@ -67,7 +67,7 @@ func TestAckOnlyForSlowAnswers(t *testing.T) {
 			fast++
 		}
 	}
-	// The machine may stall one request past AckDelay; not most of them.
+	// The machine may stall some requests past AckDelay; not most of them.
 	if fast < 10 {
 		t.Fatalf("only %d of 20 immediate answers came without an ack", fast)
 	}
