@@ -101,7 +101,8 @@ func (a *Agent) forward(w http.ResponseWriter, r *http.Request, st *servedReq) {
 		writeError(w, http.StatusBadGateway, "engine_unreachable", "the agent could not reach its engine")
 		return
 	}
-	a.observeResponse(res, st) // prefix index (usage.go)
+	sse := isEventStream(res.Header.Get("Content-Type"))
+	a.observeResponse(res, st, sse) // prefix index (usage.go)
 	removeHopHeaders(res.Header)
 	h := w.Header()
 	for k, vv := range res.Header {
@@ -113,7 +114,7 @@ func (a *Agent) forward(w http.ResponseWriter, r *http.Request, st *servedReq) {
 	}
 	// Server-sent events, and any answer of unknown length, are flushed
 	// per write (ReverseProxy's rule, without its MIME parse).
-	flush := res.ContentLength == -1 || isEventStream(res.Header.Get("Content-Type"))
+	flush := res.ContentLength == -1 || sse
 	w.WriteHeader(res.StatusCode)
 	if flush {
 		flushResponse(w)

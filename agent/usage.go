@@ -192,13 +192,13 @@ func askUsageJSON(body []byte) ([]byte, bool) {
 
 // observeResponse wraps the body of a successful answer to an indexed
 // request: it puts the request's prompt in the index and, once the body
-// has been read, corrects the index from the answer's usage.
-func (a *Agent) observeResponse(resp *http.Response, st *servedReq) {
+// has been read, corrects the index from the answer's usage. sse says
+// whether the answer is an event stream.
+func (a *Agent) observeResponse(resp *http.Response, st *servedReq, sse bool) {
 	if st == nil || a.index == nil || resp.StatusCode/100 != 2 {
 		return
 	}
 	a.index.served(st.chain)
-	sse := isEventStream(resp.Header.Get("Content-Type"))
 	if len(st.chain) == 0 && !(st.strip && sse) {
 		// A prompt shorter than a block: no usage would correct anything
 		// (answered ignores an empty chain), and no chunk is dropped, so
