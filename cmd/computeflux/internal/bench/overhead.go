@@ -833,10 +833,14 @@ func startFRP(ctx context.Context, frps, frpc, dir string, enginePort int) ([]*t
 }
 
 // ServeReverseProxy serves Go's httputil.ReverseProxy in front of upstream
-// on addr until ctx ends: one HTTP hop in stock Go (net/http parses the
-// request, http.Transport sends it on a pooled connection), the least an
-// HTTP-reading relay costs before any routing, auth or second hop.
+// on addr (a loopback host:port: it has no auth) until ctx ends: one HTTP
+// hop in stock Go (net/http parses the request, http.Transport sends it on
+// a pooled connection), the least an HTTP-reading relay costs before any
+// routing, auth or second hop.
 func ServeReverseProxy(ctx context.Context, addr, upstream string) error {
+	if err := checkLoopbackHostPort(addr); err != nil {
+		return fmt.Errorf("reverse proxy: %w", err)
+	}
 	u, err := url.Parse(upstream)
 	if err != nil || u.Scheme != "http" || u.Host == "" {
 		return fmt.Errorf("--upstream %q: want an http:// URL", upstream)
