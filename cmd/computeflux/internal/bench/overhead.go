@@ -614,6 +614,20 @@ type proc struct {
 	done chan struct{}
 }
 
+// childEnv is a child's environment: inherited with extra appended, but for
+// EnvPprof, which the benchmark gives each child its own address in when it
+// profiles. Inherited, one address would go to every child, and all but
+// the first would fail to listen on it and exit.
+func childEnv(inherited, extra []string) []string {
+	out := make([]string, 0, len(inherited)+len(extra))
+	for _, kv := range inherited {
+		if !strings.HasPrefix(kv, EnvPprof+"=") {
+			out = append(out, kv)
+		}
+	}
+	return append(out, extra...)
+}
+
 func startProc(ctx context.Context, name, dir string, env []string, bin string, args ...string) (*proc, error) {
 	logPath := filepath.Join(dir, name+".log")
 	lf, err := os.Create(logPath)
@@ -622,7 +636,7 @@ func startProc(ctx context.Context, name, dir string, env []string, bin string, 
 	}
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = lf, lf
-	cmd.Env = append(os.Environ(), env...)
+	cmd.Env = childEnv(os.Environ(), env)
 	if err := cmd.Start(); err != nil {
 		lf.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
