@@ -614,14 +614,16 @@ type proc struct {
 	done chan struct{}
 }
 
-// childEnv is a child's environment: inherited with extra appended, but for
+// childEnv is a child's environment: inherited with extra appended, but
+// for COMPUTEFLUX_* variables (as the chaos run's children get it). Those
+// would set the relay's and the agent's flags under measurement, and
 // EnvPprof, which the benchmark gives each child its own address in when it
-// profiles. Inherited, one address would go to every child, and all but
-// the first would fail to listen on it and exit.
+// profiles, would go to every child: all but the first would fail to listen
+// on it and exit.
 func childEnv(inherited, extra []string) []string {
 	out := make([]string, 0, len(inherited)+len(extra))
 	for _, kv := range inherited {
-		if !strings.HasPrefix(kv, EnvPprof+"=") {
+		if !strings.HasPrefix(kv, "COMPUTEFLUX_") {
 			out = append(out, kv)
 		}
 	}

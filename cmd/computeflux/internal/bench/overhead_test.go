@@ -190,10 +190,11 @@ func TestWarmUpCountsAThirdPartysFailures(t *testing.T) {
 	}
 }
 
-// A child does not inherit the bench's own pprof address (every child would
-// try to listen on it); one given to it explicitly is kept.
+// A child inherits no COMPUTEFLUX_* variable: not the bench's own pprof
+// address (every child would try to listen on it), nor one that would set a
+// flag of the relay or agent measured. One given to it explicitly is kept.
 func TestChildEnvDropsInheritedPprof(t *testing.T) {
-	got := childEnv([]string{"HOME=/h", EnvPprof + "=127.0.0.1:6060", "PATH=/bin"}, []string{EnvPprof + "=127.0.0.1:7000"})
+	got := childEnv([]string{"HOME=/h", EnvPprof + "=127.0.0.1:6060", "COMPUTEFLUX_LOG_LEVEL=debug", "PATH=/bin"}, []string{EnvPprof + "=127.0.0.1:7000"})
 	if want := []string{"HOME=/h", "PATH=/bin", EnvPprof + "=127.0.0.1:7000"}; !slices.Equal(got, want) {
 		t.Fatalf("childEnv: %q, want %q", got, want)
 	}
