@@ -180,7 +180,8 @@ type Agent struct {
 	key      crypto.PrivKey
 	id       peer.ID
 	client   *http.Client
-	// urls are the engine's URLs for servedPaths (shared, never changed).
+	// urls are the engine's URLs for servedPaths and optionalAPIs (shared,
+	// never changed).
 	urls map[string]*url.URL
 	// authValue is the Authorization header value sent to the engine (nil
 	// without Config.UpstreamAPIKey).
@@ -263,8 +264,11 @@ func New(cfg Config) (*Agent, error) {
 	if !cfg.Index.Disabled {
 		a.index = newPrefixIndex(cfg.Index, a.log.With().Str("part", "prefix-index").Logger())
 	}
-	a.urls = make(map[string]*url.URL, len(servedPaths))
+	a.urls = make(map[string]*url.URL, len(servedPaths)+len(optionalAPIs))
 	for p := range servedPaths {
+		a.urls[p] = joinUpstream(u, p)
+	}
+	for _, p := range optionalAPIs {
 		a.urls[p] = joinUpstream(u, p)
 	}
 	if cfg.UpstreamAPIKey != "" {

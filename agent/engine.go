@@ -188,7 +188,6 @@ func (p *engineProber) send(ctx context.Context, method, path string, body []byt
 // still loading its model): the engine is worth identifying again later.
 func (p *engineProber) identify(ctx context.Context, ownedBy string) (info EngineInfo, load EngineMetrics, settled bool) {
 	p.unsettled = false
-	defer func() { settled = !p.unsettled }()
 	var met EngineMetrics
 	if b, ok := p.get(ctx, "/metrics"); ok {
 		met, _ = ParseEngineMetrics(bytes.NewReader(b))
@@ -291,7 +290,7 @@ func (p *engineProber) identify(ctx context.Context, ownedBy string) (info Engin
 		// gets no probe that it might take for a request.
 		info.APIs = p.apis(ctx)
 	}
-	return info, load, settled
+	return info, load, !p.unsettled
 }
 
 // apis finds which optional APIs a recognised engine serves: from its

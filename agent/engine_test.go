@@ -219,8 +219,11 @@ type loadingEngine struct {
 	// metricsDown: /metrics alone answers 503 (a proxy in front of a
 	// metrics endpoint not up).
 	metricsDown atomic.Bool
-	mu          sync.Mutex // guards gets
-	gets        map[string]int
+	// silent: every path but /v1/models has its connection closed with no
+	// answer, as by an engine that dies or resets mid-request.
+	silent atomic.Bool
+	mu     sync.Mutex // guards gets
+	gets   map[string]int
 }
 
 func newLoadingEngine(t *testing.T, name string) *loadingEngine {
@@ -238,6 +241,12 @@ func newLoadingEngine(t *testing.T, name string) *loadingEngine {
 			e.mu.Lock()
 			e.gets[r.URL.Path]++
 			e.mu.Unlock()
+		}
+		if e.silent.Load() && r.URL.Path != "/v1/models" {
+			if c, _, err := http.NewResponseController(w).Hijack(); err == nil {
+				c.Close()
+			}
+			return
 		}
 		if e.loading.Load() && r.URL.Path != "/v1/models" || e.metricsDown.Load() && r.URL.Path == "/metrics" {
 			io.Copy(io.Discard, r.Body)
@@ -306,6 +315,34 @@ func TestEngineIdentifiedAfterLoading(t *testing.T) {
 	}
 	if got := eng.count("/props"); got != props {
 		t.Fatalf("/props read %d more times after identification", got-props)
+	}
+}
+
+// TestEngineIdentifiedAfterNoAnswer: identity probes that get no answer at
+// all (the connection closed unanswered) leave the engine to be identified
+// again, as a 503 does, rather than named unrecognised for good.
+func TestEngineIdentifiedAfterNoAnswer(t *testing.T) {
+	eng := newLoadingEngine(t, "llamacpp")
+	eng.silent.Store(true)
+	var log bytes.Buffer
+	a := fixtureAgent(t, eng.URL, &log)
+	ctx := context.Background()
+	a.refresh(ctx)
+	if e := a.Engine(); e.Kind != EngineUnknown {
+		t.Fatalf("with no answers: engine %+v, want nothing known yet", e)
+	}
+	if strings.Contains(log.String(), "not recognised") {
+		t.Fatalf("an engine that did not answer is named unrecognised: %s", log.String())
+	}
+	eng.silent.Store(false)
+	eng.loading.Store(false)
+	n := 0
+	for ; n < 10 && a.Engine().Kind != EngineLlamaCpp; n++ {
+		a.refresh(ctx)
+	}
+	if e := a.Engine(); e.Kind != EngineLlamaCpp || a.KVCapacityTokens() != 4*8192 {
+		t.Fatalf("after %d refreshes of an answering engine: %+v, capacity %d; want llama.cpp with %d tokens",
+			n, e, a.KVCapacityTokens(), 4*8192)
 	}
 }
 

@@ -101,7 +101,8 @@ func (a *Agent) forward(w http.ResponseWriter, r *http.Request, st *servedReq) {
 		writeError(w, http.StatusBadGateway, "engine_unreachable", "the agent could not reach its engine")
 		return
 	}
-	a.observeResponse(res, st) // prefix index (usage.go)
+	sse := isEventStream(res.Header.Get("Content-Type"))
+	a.observeResponse(res, st, sse) // prefix index (usage.go)
 	removeHopHeaders(res.Header)
 	h := w.Header()
 	for k, vv := range res.Header {
@@ -113,7 +114,7 @@ func (a *Agent) forward(w http.ResponseWriter, r *http.Request, st *servedReq) {
 	}
 	// Server-sent events, and any answer of unknown length, are flushed
 	// per write (ReverseProxy's rule, without its MIME parse).
-	flush := res.ContentLength == -1 || isEventStream(res.Header.Get("Content-Type"))
+	flush := res.ContentLength == -1 || sse
 	w.WriteHeader(res.StatusCode)
 	if flush {
 		flushResponse(w)
@@ -180,16 +181,21 @@ func hopHeader(k string) bool {
 // removeHopHeaders drops h's hop-by-hop headers and those its Connection
 // header names.
 func removeHopHeaders(h http.Header) {
+	removeConnectionNamed(h)
+	for k := range h {
+		if hopHeader(k) {
+			delete(h, k)
+		}
+	}
+}
+
+// removeConnectionNamed drops the headers h's Connection header names.
+func removeConnectionNamed(h http.Header) {
 	for _, f := range h["Connection"] {
 		for sf := range strings.SplitSeq(f, ",") {
 			if sf = textproto.TrimString(sf); sf != "" {
 				h.Del(sf)
 			}
-		}
-	}
-	for k := range h {
-		if hopHeader(k) {
-			delete(h, k)
 		}
 	}
 }
@@ -213,13 +219,7 @@ func (a *Agent) outHeader(h http.Header) http.Header {
 			break
 		}
 	}
-	for _, f := range h["Connection"] {
-		for sf := range strings.SplitSeq(f, ",") {
-			if sf = textproto.TrimString(sf); sf != "" {
-				h.Del(sf)
-			}
-		}
-	}
+	removeConnectionNamed(h)
 	for k := range h {
 		switch {
 		case hopHeader(k), k == "Authorization", k == "Forwarded",
@@ -243,8 +243,8 @@ func (a *Agent) outHeader(h http.Header) http.Header {
 var teTrailers = []string{"trailers"}
 
 // upstreamURL returns the engine's URL for path (the upstream URL's path
-// joined with it, without query), from a table for servedPaths. The
-// returned URL is shared and must not be changed.
+// joined with it, without query), from a table for servedPaths and
+// optionalAPIs. The returned URL is shared and must not be changed.
 func (a *Agent) upstreamURL(path string) *url.URL {
 	if u, ok := a.urls[path]; ok {
 		return u

@@ -136,10 +136,16 @@ func (w *discardWriter) Write(p []byte) (int, error) {
 func (w *discardWriter) Flush() {}
 
 // benchCases are BenchmarkServeHTTP's requests, with the Content-Type the
-// answer must have.
+// answer must have. "small" and "stream" have a prompt shorter than a
+// prefix block: the index hashes nothing, and the small answer passes
+// unwrapped. "chat" has a system prompt of a few blocks, as a client's chat
+// request does: its prompt is indexed and its answer's usage read.
 var benchCases = []struct{ name, body, want string }{
 	{"small", `{"model":"m1","messages":[{"role":"user","content":"hi"}],"max_tokens":4}`, ""},
 	{"stream", `{"model":"m1","stream":true,"messages":[{"role":"user","content":"hi"}],"max_tokens":4}`, "text/event-stream"},
+	{"chat", `{"model":"m1","messages":[{"role":"system","content":"` +
+		strings.Repeat("You are a careful assistant who answers in plain words. ", 24) +
+		`"},{"role":"user","content":"hi"}],"max_tokens":4}`, ""},
 }
 
 // BenchmarkServeHTTP runs the agent's handler against an engine on

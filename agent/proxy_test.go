@@ -247,3 +247,19 @@ func TestOutHeaderInPlace(t *testing.T) {
 		}
 	}
 }
+
+// TestUpstreamURLs: every path the agent forwards, from its table or not,
+// goes to the engine's path prefix without the configured URL's query.
+func TestUpstreamURLs(t *testing.T) {
+	a, _ := newForwardingAgent(t, "http://127.0.0.1:1/base/?k=v", "")
+	paths := []string{"/v1/responses/resp_1/input_items"} // not in the table
+	for p := range servedPaths {
+		paths = append(paths, p)
+	}
+	paths = append(paths, optionalAPIs...)
+	for _, p := range paths {
+		if got, want := a.upstreamURL(p).String(), "http://127.0.0.1:1/base"+p; got != want {
+			t.Errorf("%s goes to %s, want %s", p, got, want)
+		}
+	}
+}

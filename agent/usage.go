@@ -47,7 +47,7 @@ func (a *Agent) indexRequest(r *http.Request, body []byte) *servedReq {
 	buffered := body != nil
 	if !buffered {
 		var err error
-		body, err = readBody(r)
+		body, err = io.ReadAll(io.LimitReader(r.Body, maxHashedBody+1))
 		if err != nil || len(body) > maxHashedBody {
 			// Forward what was read and the rest as it comes, unhashed.
 			r.Body = struct {
@@ -59,7 +59,7 @@ func (a *Agent) indexRequest(r *http.Request, body []byte) *servedReq {
 	} else if len(body) > maxHashedBody {
 		return nil
 	}
-	st := &servedReq{chain: scheduler.PromptBlocks(nil, body, a.index.cfg.Prefix)}
+	st := &servedReq{chain: scheduler.PromptBlocks(chainRoom(len(body), a.index.cfg.Prefix), body, a.index.cfg.Prefix)}
 	out, rewritten := askUsage(body)
 	if rewritten {
 		body, st.strip = out, true
@@ -75,19 +75,19 @@ func (a *Agent) indexRequest(r *http.Request, body []byte) *servedReq {
 	return st
 }
 
-// readBody reads r's body, up to maxHashedBody+1 bytes: in one read of its
-// Content-Length when that is known (transport.ServeHTTP has it in memory),
-// else as it comes.
-func readBody(r *http.Request) ([]byte, error) {
-	if n := r.ContentLength; n >= 0 && n <= maxHashedBody {
-		body := make([]byte, n)
-		k, err := io.ReadFull(r.Body, body)
-		if err == io.ErrUnexpectedEOF {
-			err = nil // shorter than announced: what there is
-		}
-		return body[:k], err
+// chainRoom returns an empty chain with room for the blocks of a body of n
+// bytes (its prompt's canonical text is about as long, without the JSON's
+// keys and quotes), so that the chain is one allocation rather than one per
+// doubling; nil for a body shorter than a block.
+func chainRoom(n int, cfg scheduler.PrefixConfig) []uint64 {
+	blocks := min(n/cfg.BlockBytes(), scheduler.DefaultMaxBlocks)
+	if cfg.MaxBlocks > 0 {
+		blocks = min(blocks, cfg.MaxBlocks)
 	}
-	return io.ReadAll(io.LimitReader(r.Body, maxHashedBody+1))
+	if blocks == 0 {
+		return nil
+	}
+	return make([]uint64, 0, blocks)
 }
 
 // askUsage returns body with stream_options.include_usage set, when body is
@@ -101,17 +101,14 @@ func readBody(r *http.Request) ([]byte, error) {
 // just to read two keys was a few percent of the agent's CPU.
 func askUsage(body []byte) ([]byte, bool) {
 	var stream, opts []byte
-	plain := true
-	if !scheduler.ScanObject(body, func(k, v []byte) {
+	if !scanPlain(body, func(k, v []byte) {
 		switch {
-		case !scheduler.PlainKey(k):
-			plain = false
 		case scheduler.KeyEqualFold(k, "stream"):
 			stream = v
 		case scheduler.KeyEqualFold(k, "stream_options"):
 			opts = v
 		}
-	}) || !plain {
+	}) {
 		return askUsageJSON(body)
 	}
 	if string(stream) != "true" {
@@ -195,13 +192,13 @@ func askUsageJSON(body []byte) ([]byte, bool) {
 
 // observeResponse wraps the body of a successful answer to an indexed
 // request: it puts the request's prompt in the index and, once the body
-// has been read, corrects the index from the answer's usage.
-func (a *Agent) observeResponse(resp *http.Response, st *servedReq) {
+// has been read, corrects the index from the answer's usage. sse says
+// whether the answer is an event stream.
+func (a *Agent) observeResponse(resp *http.Response, st *servedReq, sse bool) {
 	if st == nil || a.index == nil || resp.StatusCode/100 != 2 {
 		return
 	}
 	a.index.served(st.chain)
-	sse := isEventStream(resp.Header.Get("Content-Type"))
 	if len(st.chain) == 0 && !(st.strip && sse) {
 		// A prompt shorter than a block: no usage would correct anything
 		// (answered ignores an empty chain), and no chunk is dropped, so
@@ -271,17 +268,14 @@ func (f *usageFields) usage() usage {
 // engine's bytes as they are either way.
 func readUsage(data []byte) (u usage, noChoices, ok bool) {
 	var choices, usg []byte
-	plain := true
-	if !scheduler.ScanObject(data, func(k, v []byte) {
+	if !scanPlain(data, func(k, v []byte) {
 		switch {
-		case !scheduler.PlainKey(k):
-			plain = false
 		case scheduler.KeyEqualFold(k, "choices"):
 			choices = v
 		case scheduler.KeyEqualFold(k, "usage"):
 			usg = v
 		}
-	}) || !plain {
+	}) {
 		return readUsageJSON(data)
 	}
 	switch {
@@ -299,30 +293,25 @@ func readUsage(data []byte) (u usage, noChoices, ok bool) {
 		return readUsageJSON(data)
 	}
 	var prompt, details []byte
-	plain = scheduler.ScanObject(usg, func(k, v []byte) {
+	plain := scanPlain(usg, func(k, v []byte) {
 		switch {
-		case !scheduler.PlainKey(k):
-			plain = false
 		case scheduler.KeyEqualFold(k, "prompt_tokens"):
 			prompt = v
 		case scheduler.KeyEqualFold(k, "prompt_tokens_details"):
 			details = v
 		}
-	}) && plain
+	})
 	u.seen = true
 	var cached []byte
 	if plain && details != nil && string(details) != "null" {
 		if details[0] != '{' {
 			return readUsageJSON(data)
 		}
-		plain = scheduler.ScanObject(details, func(k, v []byte) {
-			switch {
-			case !scheduler.PlainKey(k):
-				plain = false
-			case scheduler.KeyEqualFold(k, "cached_tokens"):
+		plain = scanPlain(details, func(k, v []byte) {
+			if scheduler.KeyEqualFold(k, "cached_tokens") {
 				cached = v
 			}
-		}) && plain
+		})
 	}
 	var okP, okC bool
 	u.prompt, okP = jsonInt(prompt)
@@ -331,6 +320,22 @@ func readUsage(data []byte) (u usage, noChoices, ok bool) {
 		return readUsageJSON(data)
 	}
 	return u, noChoices, true
+}
+
+// scanPlain calls f with each top-level key and value of the JSON object
+// obj (scheduler.ScanObject) whose key is plain (scheduler.PlainKey: no
+// escapes, ASCII only, so that KeyEqualFold matches it as encoding/json
+// would). It reports false when the scan fails or a key is not plain: then
+// only encoding/json decides what obj says.
+func scanPlain(obj []byte, f func(k, v []byte)) bool {
+	plain := true
+	return scheduler.ScanObject(obj, func(k, v []byte) {
+		if !scheduler.PlainKey(k) {
+			plain = false
+			return
+		}
+		f(k, v)
+	}) && plain
 }
 
 // jsonInt reads a JSON value into an int as encoding/json would, for the
@@ -547,11 +552,7 @@ func (b *usageBody) usageOnly(ev []byte) bool {
 
 // finish reads the usage of a non-streamed answer and reports it, once.
 func (b *usageBody) finish() {
-	if b.sse || b.over {
-		b.finishJSON(nil)
-		return
-	}
-	var kept []byte
+	var kept []byte // nil for a stream, and past maxUsageJSON
 	if b.kept != nil {
 		kept = *b.kept
 	}

@@ -156,9 +156,7 @@ func (a *ackWriter) writeHead() {
 	a.head = true
 	a.stopTimer()
 	dst := a.w.Header()
-	for k, v := range a.h {
-		dst[k] = v
-	}
+	maps.Copy(dst, a.h)
 	a.h = dst
 	// Emptied, so that what is left in it when the handler returns was
 	// set after the head (done).
@@ -175,9 +173,7 @@ func (a *ackWriter) WriteHeader(code int) {
 		// and leaves the head to come.
 		if !a.head {
 			dst := a.w.Header()
-			for k, v := range a.h {
-				dst[k] = v
-			}
+			maps.Copy(dst, a.h)
 			a.w.WriteHeader(code)
 			clear(dst)
 		}

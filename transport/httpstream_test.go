@@ -490,6 +490,41 @@ func TestHTTPBodyErrorsAreOpenAIErrors(t *testing.T) {
 		t.Fatal("the handler ran for a body over the bound")
 	default:
 	}
+
+	// A body cut short of its Content-Length: the peer closes its side
+	// after 10 of 100 bytes.
+	s, err := cli.NewStream(context.Background(), srv.ID(), InferProtocol)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if _, err := io.WriteString(s, "POST /x HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\":\"aaaa"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	s.SetReadDeadline(time.Now().Add(10 * time.Second))
+	br := bufio.NewReader(s)
+	cut, err := http.ReadResponse(br, nil)
+	for err == nil && cut.StatusCode == AckStatus {
+		cut, err = http.ReadResponse(br, nil)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cut.Body.Close()
+	e.Error.Message, e.Error.Code = "", ""
+	if err := json.NewDecoder(cut.Body).Decode(&e); err != nil || cut.StatusCode != http.StatusBadRequest ||
+		cut.Header.Get("Content-Type") != "application/json" || e.Error.Code != "bad_request_body" {
+		t.Fatalf("cut body: status %d, Content-Type %q, error %+v (%v); want 400 with code bad_request_body",
+			cut.StatusCode, cut.Header.Get("Content-Type"), e, err)
+	}
+	select {
+	case <-called:
+		t.Fatal("the handler ran for a body cut short")
+	default:
+	}
 }
 
 // repeatA reads as an endless run of 'a'.

@@ -121,7 +121,7 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 		return cfg, nil, false, "", fmt.Errorf("bench: unexpected arguments %q", fs.Args())
 	}
 	if keyless {
-		if cfg.Keys != "" && cfg.Keys != bench.KeysWithout {
+		if cfg.Keys != bench.KeysAuto && cfg.Keys != bench.KeysWithout {
 			return cfg, nil, false, "", fmt.Errorf("bench: --keyless contradicts --keys %s", cfg.Keys)
 		}
 		cfg.Keys = bench.KeysWithout

@@ -147,8 +147,9 @@ func TestLogBufferProcessHelper(t *testing.T) {
 	os.Exit(0)
 }
 
-// TestLogsFlushedOnSIGTERM checks that held request lines reach the log
-// when the process ends on SIGTERM, after the lines logged before them.
+// TestLogsFlushedOnSIGTERM checks that request lines to a pipe are held,
+// and reach the log when the process ends on SIGTERM, after the lines
+// logged before them.
 func TestLogsFlushedOnSIGTERM(t *testing.T) {
 	cmd := exec.Command(os.Args[0], "-test.run=^TestLogBufferProcessHelper$", "-test.count=1")
 	cmd.Env = append(os.Environ(), envLogHelper+"=1")
@@ -164,6 +165,16 @@ func TestLogsFlushedOnSIGTERM(t *testing.T) {
 	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
 	if _, err := bufio.NewReader(stdout).ReadString('\n'); err != nil {
 		t.Fatalf("helper: %v; stderr: %s", err, stderr.String())
+	}
+	// The lifecycle line went out at once; the request line after it is
+	// held, as the relay's per-request lines are on a pipe.
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(stderr.String(), "lifecycle"); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("lifecycle line not written at once:\n%s", stderr.String())
+		}
+	}
+	if got := stderr.String(); strings.Contains(got, "request 2") {
+		t.Fatalf("a request line to a pipe was written before the exit path, not held:\n%s", got)
 	}
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)

@@ -65,7 +65,7 @@ var floorBuffers = sync.Pool{New: func() any { b := make([]byte, 32<<10); return
 // connected it answers 503.
 func ServeStockFloorRelay(ctx context.Context, addr, addrFile string) error {
 	if err := checkLoopbackHostPort(addr); err != nil {
-		return err
+		return fmt.Errorf("stock floor relay: %w", err)
 	}
 	if addrFile == "" {
 		return errors.New("stock floor relay: --addr-file is required")
@@ -294,17 +294,18 @@ func closeIdle(rt http.RoundTripper) {
 	}
 }
 
-// checkLoopbackHostPort accepts host:port with a loopback IP or localhost.
+// checkLoopbackHostPort accepts host:port with a loopback IP or localhost:
+// the benchmark's baselines have no auth and serve nothing but it.
 func checkLoopbackHostPort(addr string) error {
 	host, _, err := net.SplitHostPort(addr)
 	if err != nil {
-		return fmt.Errorf("stock floor relay: listen address %q: %w", addr, err)
+		return fmt.Errorf("listen address %q: %w", addr, err)
 	}
 	if host == "localhost" {
 		return nil
 	}
 	if ip := net.ParseIP(host); ip == nil || !ip.IsLoopback() {
-		return fmt.Errorf("stock floor relay: listen address %q is not loopback", addr)
+		return fmt.Errorf("listen address %q is not loopback", addr)
 	}
 	return nil
 }

@@ -172,7 +172,8 @@ func TestStockFloorForwards(t *testing.T) {
 	}
 }
 
-// The floor serves on loopback only and refuses a bad upstream.
+// The floor and the reverse proxy serve on loopback only; the floor refuses
+// a bad upstream.
 func TestStockFloorRefusesBadAddresses(t *testing.T) {
 	k, _, err := crypto.GenerateEd25519Key(nil)
 	if err != nil {
@@ -191,6 +192,7 @@ func TestStockFloorRefusesBadAddresses(t *testing.T) {
 	}{
 		{"relay on a public address", func() error { return ServeStockFloorRelay(ctx, "198.18.0.1:0", "x") }, "not loopback"},
 		{"relay on all addresses", func() error { return ServeStockFloorRelay(ctx, ":0", "x") }, "not loopback"},
+		{"reverse proxy on a public address", func() error { return ServeReverseProxy(ctx, "198.18.0.1:0", "http://127.0.0.1:1") }, "not loopback"},
 		{"relay without address file", func() error { return ServeStockFloorRelay(ctx, "127.0.0.1:0", "") }, "--addr-file"},
 		{"agent dialing a public relay", func() error {
 			return ServeStockFloorAgent(ctx, "/ip4/198.18.0.1/udp/9/quic-v1/p2p/"+id.String(), "http://127.0.0.1:1")

@@ -614,6 +614,22 @@ type proc struct {
 	done chan struct{}
 }
 
+// childEnv is a child's environment: inherited with extra appended, but
+// for COMPUTEFLUX_* variables (as the chaos run's children get it). Those
+// would set the relay's and the agent's flags under measurement, and
+// EnvPprof, which the benchmark gives each child its own address in when it
+// profiles, would go to every child: all but the first would fail to listen
+// on it and exit.
+func childEnv(inherited, extra []string) []string {
+	out := make([]string, 0, len(inherited)+len(extra))
+	for _, kv := range inherited {
+		if !strings.HasPrefix(kv, "COMPUTEFLUX_") {
+			out = append(out, kv)
+		}
+	}
+	return append(out, extra...)
+}
+
 func startProc(ctx context.Context, name, dir string, env []string, bin string, args ...string) (*proc, error) {
 	logPath := filepath.Join(dir, name+".log")
 	lf, err := os.Create(logPath)
@@ -622,7 +638,7 @@ func startProc(ctx context.Context, name, dir string, env []string, bin string, 
 	}
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = lf, lf
-	cmd.Env = append(os.Environ(), env...)
+	cmd.Env = childEnv(os.Environ(), env)
 	if err := cmd.Start(); err != nil {
 		lf.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
@@ -833,10 +849,14 @@ func startFRP(ctx context.Context, frps, frpc, dir string, enginePort int) ([]*t
 }
 
 // ServeReverseProxy serves Go's httputil.ReverseProxy in front of upstream
-// on addr until ctx ends: one HTTP hop in stock Go (net/http parses the
-// request, http.Transport sends it on a pooled connection), the least an
-// HTTP-reading relay costs before any routing, auth or second hop.
+// on addr (a loopback host:port: it has no auth) until ctx ends: one HTTP
+// hop in stock Go (net/http parses the request, http.Transport sends it on
+// a pooled connection), the least an HTTP-reading relay costs before any
+// routing, auth or second hop.
 func ServeReverseProxy(ctx context.Context, addr, upstream string) error {
+	if err := checkLoopbackHostPort(addr); err != nil {
+		return fmt.Errorf("reverse proxy: %w", err)
+	}
 	u, err := url.Parse(upstream)
 	if err != nil || u.Scheme != "http" || u.Host == "" {
 		return fmt.Errorf("--upstream %q: want an http:// URL", upstream)

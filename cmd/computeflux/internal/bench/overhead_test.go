@@ -189,3 +189,16 @@ func TestWarmUpCountsAThirdPartysFailures(t *testing.T) {
 		t.Fatal("warm-up of a third party's path that fails every request passed")
 	}
 }
+
+// A child inherits no COMPUTEFLUX_* variable: not the bench's own pprof
+// address (every child would try to listen on it), nor one that would set a
+// flag of the relay or agent measured. One given to it explicitly is kept.
+func TestChildEnvDropsInheritedPprof(t *testing.T) {
+	got := childEnv([]string{"HOME=/h", EnvPprof + "=127.0.0.1:6060", "COMPUTEFLUX_LOG_LEVEL=debug", "PATH=/bin"}, []string{EnvPprof + "=127.0.0.1:7000"})
+	if want := []string{"HOME=/h", "PATH=/bin", EnvPprof + "=127.0.0.1:7000"}; !slices.Equal(got, want) {
+		t.Fatalf("childEnv: %q, want %q", got, want)
+	}
+	if got := childEnv([]string{EnvPprof + "=127.0.0.1:6060", "A=1"}, nil); !slices.Equal(got, []string{"A=1"}) {
+		t.Fatalf("childEnv without extra: %q", got)
+	}
+}
