@@ -208,21 +208,24 @@ func (x *prefixIndex) kickFlush() {
 }
 
 // served records that the engine took a request of chain (it holds the
-// prompt's blocks now).
-func (x *prefixIndex) served(chain []uint64) {
+// prompt's blocks now). It returns the index's prediction for the request,
+// to be handed to answered.
+func (x *prefixIndex) served(chain []uint64) (predicted int) {
 	if len(chain) == 0 {
-		return
+		return scheduler.NoPrediction
 	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	x.scratchA, x.scratchE = x.lru.Insert(chain, x.scratchA[:0], x.scratchE[:0])
+	predicted, x.scratchA, x.scratchE = x.lru.Insert(chain, x.scratchA[:0], x.scratchE[:0])
 	x.touchLocked(x.scratchA)
 	x.touchLocked(x.scratchE)
+	return predicted
 }
 
 // answered corrects the index from the engine's usage for a request of
-// chain: promptTokens of which cachedTokens were cached.
-func (x *prefixIndex) answered(chain []uint64, promptTokens, cachedTokens int) {
+// chain: promptTokens of which cachedTokens were cached. predicted is what
+// served returned for the request.
+func (x *prefixIndex) answered(chain []uint64, predicted, promptTokens, cachedTokens int) {
 	if len(chain) == 0 || promptTokens <= 0 {
 		return
 	}
@@ -231,7 +234,7 @@ func (x *prefixIndex) answered(chain []uint64, promptTokens, cachedTokens int) {
 	defer x.mu.Unlock()
 	x.calibrateLocked(len(chain), promptTokens)
 	before := x.lru.Capacity()
-	x.scratchE = x.lru.Correct(chain, cached, x.scratchE[:0])
+	x.scratchE = x.lru.Correct(chain, predicted, cached, x.scratchE[:0])
 	if len(x.scratchE) > 0 || x.lru.Capacity() != before {
 		x.corrections.Add(1)
 	}

@@ -198,7 +198,7 @@ func (a *Agent) observeResponse(resp *http.Response, st *servedReq, sse bool) {
 	if st == nil || a.index == nil || resp.StatusCode/100 != 2 {
 		return
 	}
-	a.index.served(st.chain)
+	predicted := a.index.served(st.chain)
 	if len(st.chain) == 0 && !(st.strip && sse) {
 		// A prompt shorter than a block: no usage would correct anything
 		// (answered ignores an empty chain), and no chunk is dropped, so
@@ -209,6 +209,7 @@ func (a *Agent) observeResponse(resp *http.Response, st *servedReq, sse bool) {
 	ub.rc = resp.Body
 	ub.index = a.index
 	ub.chain = st.chain
+	ub.predicted = predicted
 	ub.sse = sse
 	ub.strip = st.strip && sse
 	ub.length = resp.ContentLength
@@ -379,12 +380,15 @@ const maxPooledKept = 64 << 10
 // dropped usage chunk is cut out of the buffer. An event longer than
 // maxUsageEvent passes through unread.
 type usageBody struct {
-	rc     io.ReadCloser
-	sse    bool
-	strip  bool
-	index  *prefixIndex // nil: the usage is only read (u)
-	chain  []uint64
-	length int64 // the answer's Content-Length, -1 when unknown
+	rc    io.ReadCloser
+	sse   bool
+	strip bool
+	index *prefixIndex // nil: the usage is only read (u)
+	chain []uint64
+	// predicted is the index's prediction for chain when the request
+	// was served (prefixIndex.served).
+	predicted int
+	length    int64 // the answer's Content-Length, -1 when unknown
 
 	buf           *[]byte // the stream's bytes; from copyBuffers unless grown
 	lo, ready, hi int
@@ -573,7 +577,7 @@ func (b *usageBody) finishJSON(answer []byte) {
 	b.done = true
 	b.release()
 	if b.index != nil && b.u.seen {
-		b.index.answered(b.chain, b.u.prompt, b.u.cached)
+		b.index.answered(b.chain, b.predicted, b.u.prompt, b.u.cached)
 	}
 }
 

@@ -442,8 +442,7 @@ func TestIndexCalibratesBytesPerToken(t *testing.T) {
 		for j := range chain {
 			chain[j] = uint64(i*100 + j + 1)
 		}
-		x.served(chain)
-		x.answered(chain, 21*bb/2/8, 0)
+		x.answered(chain, x.served(chain), 21*bb/2/8, 0)
 	}
 	// 64,000 tokens x 8 bytes / 256 bytes a block.
 	if got := x.stats().Capacity; got < 1900 || got > 2100 {

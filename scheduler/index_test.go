@@ -18,12 +18,12 @@ func seqChain(base uint64, n int) []uint64 {
 
 func TestBlockLRUInsertEvictsTailFirst(t *testing.T) {
 	l := NewBlockLRU(5)
-	added, evicted := l.Insert(seqChain(100, 3), nil, nil)
+	_, added, evicted := l.Insert(seqChain(100, 3), nil, nil)
 	slices.Sort(added)
 	if !slices.Equal(added, seqChain(100, 3)) || len(evicted) != 0 || l.Len() != 3 {
 		t.Fatalf("added %v evicted %v len %d", added, evicted, l.Len())
 	}
-	added, evicted = l.Insert(seqChain(200, 3), nil, nil)
+	_, added, evicted = l.Insert(seqChain(200, 3), nil, nil)
 	slices.Sort(added)
 	// The first chain's tail (102) goes first.
 	if !slices.Equal(added, seqChain(200, 3)) || !slices.Equal(evicted, []uint64{102}) {
@@ -33,7 +33,10 @@ func TestBlockLRUInsertEvictsTailFirst(t *testing.T) {
 		t.Fatalf("lookups %d %d", l.Lookup(seqChain(100, 3)), l.Lookup(seqChain(200, 3)))
 	}
 	// Touching a held chain adds nothing.
-	added, evicted = l.Insert(seqChain(200, 2), nil, nil)
+	held, added, evicted := l.Insert(seqChain(200, 2), nil, nil)
+	if held != 2 {
+		t.Fatalf("re-insert predicted %d held, want 2", held)
+	}
 	if len(added)+len(evicted) != 0 {
 		t.Fatalf("re-insert added %v evicted %v", added, evicted)
 	}
@@ -56,33 +59,60 @@ func TestBlockLRUCorrect(t *testing.T) {
 	t.Run("correct without its insert drops what the engine lost", func(t *testing.T) {
 		l := NewBlockLRU(100)
 		l.Insert(seqChain(1, 20), nil, nil)
-		for i := range recentInserts {
-			l.Insert([]uint64{uint64(1e6 + i)}, nil, nil) // the insert is forgotten
-		}
 		// The engine had only the first 5 blocks.
-		dropped := l.Correct(seqChain(1, 20), 5, nil)
-		if len(dropped) < 15 || l.Lookup(seqChain(1, 20)) != 5 {
+		dropped := l.Correct(seqChain(1, 20), NoPrediction, 5, nil)
+		if len(dropped) != 15 || l.Lookup(seqChain(1, 20)) != 5 {
 			t.Fatalf("dropped %d, holds %d", len(dropped), l.Lookup(seqChain(1, 20)))
 		}
-		if l.Capacity() >= 100 {
-			t.Fatalf("capacity %d did not shrink", l.Capacity())
+		if l.Capacity() != 85 {
+			t.Fatalf("capacity %d, want 100 less the 15 blocks believed in error", l.Capacity())
 		}
 	})
 	t.Run("correct after insert keeps the fresh chain", func(t *testing.T) {
 		l := NewBlockLRU(100)
 		l.Insert(seqChain(1, 10), nil, nil)
 		c := append(seqChain(1, 10), seqChain(50, 10)...)
-		l.Insert(c, nil, nil) // predicted 10
-		dropped := l.Correct(c, 10, nil)
+		p, _, _ := l.Insert(c, nil, nil)
+		if p != 10 {
+			t.Fatalf("predicted %d, want 10", p)
+		}
+		dropped := l.Correct(c, p, 10, nil)
 		if len(dropped) != 0 || l.Lookup(c) != 20 || l.Capacity() != 100 {
 			t.Fatalf("dropped %v, holds %d, capacity %d", dropped, l.Lookup(c), l.Capacity())
 		}
-		// The engine held more than predicted: capacity grows.
+		// The engine held more than predicted: capacity grows by the error.
 		c2 := seqChain(500, 30)
-		l.Insert(c2, nil, nil) // predicted 0
-		l.Correct(c2, 20, nil)
-		if l.Capacity() <= 100 {
-			t.Fatalf("capacity %d did not grow", l.Capacity())
+		p, _, _ = l.Insert(c2, nil, nil)
+		l.Correct(c2, p, 20, nil)
+		if l.Capacity() != 120 {
+			t.Fatalf("capacity %d, want 120", l.Capacity())
+		}
+	})
+	// The engine held more of a chain than the index predicted, with many
+	// requests between the Insert and the answer (a busy engine): this
+	// sliced the chain backwards when predictions lived in a ring of 64.
+	t.Run("engine held more than predicted, many requests in flight", func(t *testing.T) {
+		l := NewBlockLRU(1000)
+		chain := seqChain(1, 10)
+		l.Insert(chain[:3], nil, nil)
+		for i := range 70 {
+			l.Insert(seqChain(uint64(1000+100*i), 2), nil, nil)
+		}
+		if dropped := l.Correct(chain, NoPrediction, 8, nil); len(dropped) != 0 {
+			t.Fatalf("dropped %v", dropped)
+		}
+		if l.Lookup(chain) != 3 || l.Capacity() != 1005 {
+			t.Fatalf("holds %d, capacity %d; want 3 and 1005", l.Lookup(chain), l.Capacity())
+		}
+	})
+	t.Run("out of range answers count as the whole chain", func(t *testing.T) {
+		l := NewBlockLRU(100)
+		c := seqChain(1, 4)
+		p, _, _ := l.Insert(c, nil, nil)
+		l.Correct(c, p, 1<<30, nil)
+		l.Correct(c, 1<<30, -5, nil)
+		if l.Len() != 4 || l.Capacity() != 100 {
+			t.Fatalf("len %d capacity %d", l.Len(), l.Capacity())
 		}
 	})
 }

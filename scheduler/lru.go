@@ -11,22 +11,12 @@ type BlockLRU struct {
 	index    map[uint64]int32
 	hashes   []uint64 // by slot of list
 	list     slabList
-
-	// recent remembers, for the last chains inserted, how many of their
-	// leading blocks were held before the insert, so that Correct can
-	// compare the engine's answer with the prediction whichever of the two
-	// calls comes first.
-	recent    [recentInserts]recentInsert
-	recentPos int
 }
 
-type recentInsert struct {
-	last      uint64 // the chain's last hash; 0 when unused
-	n         int32  // the chain's length
-	predicted int32  // leading blocks held before the insert
-}
-
-const recentInserts = 64
+// NoPrediction is the prediction to give Correct for a request whose Insert
+// it does not know: the LRU compares the engine's answer with what it holds
+// now.
+const NoPrediction = -1
 
 // NewBlockLRU returns an empty BlockLRU of capacity blocks (at least 1).
 func NewBlockLRU(capacity int) *BlockLRU {
@@ -63,12 +53,16 @@ func (l *BlockLRU) Lookup(chain []uint64) int {
 // Insert records that the engine now holds chain: held blocks are touched,
 // new ones added, and the chain's head becomes the most recent. It appends
 // the newly added hashes to added and the hashes evicted to make room to
-// evicted. A chain longer than the capacity keeps its head.
-func (l *BlockLRU) Insert(chain []uint64, added, evicted []uint64) (addedOut, evictedOut []uint64) {
+// evicted. A chain longer than the capacity keeps its head. It returns held,
+// how many leading blocks of chain were held before: the prediction the
+// request's Correct compares the engine's answer with. The caller keeps it
+// with the request, so that any number of requests may be in flight
+// between the two calls.
+func (l *BlockLRU) Insert(chain []uint64, added, evicted []uint64) (held int, addedOut, evictedOut []uint64) {
 	if len(chain) == 0 {
-		return added, evicted
+		return 0, added, evicted
 	}
-	l.remember(chain, l.Lookup(chain))
+	held = l.Lookup(chain)
 	if len(chain) > l.capacity {
 		chain = chain[:l.capacity]
 	}
@@ -86,54 +80,38 @@ func (l *BlockLRU) Insert(chain []uint64, added, evicted []uint64) (addedOut, ev
 		l.add(h)
 		added = append(added, h)
 	}
-	return added, evicted
-}
-
-func (l *BlockLRU) remember(chain []uint64, predicted int) {
-	l.recent[l.recentPos] = recentInsert{last: chain[len(chain)-1], n: int32(len(chain)), predicted: int32(predicted)}
-	l.recentPos = (l.recentPos + 1) % recentInserts
-}
-
-// recalled returns the prediction remembered for chain by a recent Insert,
-// and forgets it.
-func (l *BlockLRU) recalled(chain []uint64) (int, bool) {
-	last := chain[len(chain)-1]
-	for i := range l.recent {
-		r := &l.recent[i]
-		if r.last == last && int(r.n) == len(chain) {
-			p := int(r.predicted)
-			*r = recentInsert{}
-			return p, true
-		}
-	}
-	return 0, false
+	return held, added, evicted
 }
 
 // Correct is called with the engine's own answer for a request of chain:
-// its first cachedBlocks blocks really were cached (see CachedBlocks). The
-// LRU's prediction is what it held of chain before the request's Insert
-// (or now, if Correct comes first). Blocks it predicted beyond cachedBlocks
-// had been evicted by the engine: unless an Insert already re-added them
-// for this request, they are dropped. The capacity then moves by the error
-// (shrinking when the LRU believed too much, growing when too little,
-// within 1/16 and 4 times the capacity given to NewBlockLRU or
-// SetCapacity), evicting from the tail if it shrinks. Every hash dropped is
-// appended to dropped, to be published as evicted.
-func (l *BlockLRU) Correct(chain []uint64, cachedBlocks int, dropped []uint64) []uint64 {
+// its first cachedBlocks blocks really were cached (see CachedBlocks).
+// predicted is what the request's Insert returned, or NoPrediction when
+// there was none; then the prediction is what the LRU holds of chain now,
+// and blocks it holds beyond cachedBlocks, which the engine had evicted,
+// are dropped (after an Insert they stay: the request made the engine hold
+// them again). The capacity then moves by the error (shrinking when the LRU
+// believed too much, growing when too little, within 1/16 and 4 times the
+// capacity given to NewBlockLRU or SetCapacity), evicting from the tail if
+// it shrinks. Every hash dropped is appended to dropped, to be published as
+// evicted. Any cachedBlocks and predicted are accepted: values beyond the
+// chain count as the whole chain.
+func (l *BlockLRU) Correct(chain []uint64, predicted, cachedBlocks int, dropped []uint64) []uint64 {
 	if len(chain) == 0 {
 		return dropped
 	}
 	cachedBlocks = min(max(cachedBlocks, 0), len(chain))
-	predicted, inserted := l.recalled(chain)
-	if !inserted {
+	if predicted < 0 {
 		predicted = l.Lookup(chain)
-		for _, h := range chain[cachedBlocks:predicted] {
-			if n, ok := l.index[h]; ok {
-				dropped = append(dropped, h)
-				l.remove(n)
+		if predicted > cachedBlocks {
+			for _, h := range chain[cachedBlocks:predicted] {
+				if n, ok := l.index[h]; ok {
+					dropped = append(dropped, h)
+					l.remove(n)
+				}
 			}
 		}
 	}
+	predicted = min(predicted, len(chain))
 	// A block of slack: converting tokens to blocks is approximate.
 	switch d := cachedBlocks - predicted; {
 	case d < -1:

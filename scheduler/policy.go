@@ -321,7 +321,6 @@ func (a *Attempt) pickSGLang(g *group, now int64) (*endpoint, int) {
 	case matched != nil && float64(bestMatch) > sglangCacheThreshold*float64(len(chain)):
 		e = matched
 	}
-	cached := e.tree.Lookup(chain)
-	e.tree.Insert(chain, nil, nil)
+	cached, _, _ := e.tree.Insert(chain, nil, nil)
 	return e, cached
 }

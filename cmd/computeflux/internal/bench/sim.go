@@ -140,6 +140,7 @@ type simCall struct {
 	firstAt    time.Time
 	decision   time.Duration
 	prefix     []uint64 // the relay's PromptBlocks of the request body
+	predicted  int      // the agent index's prediction for prefix (BlockLRU.Insert)
 }
 
 // simRun is one policy's discrete-event simulation.
@@ -458,7 +459,8 @@ func (r *simRun) pick(c *simCall) {
 			if r.index && len(c.prefix) > 0 {
 				// The agent forwards the request: its engine will hold
 				// the prompt.
-				added, evicted := e.lru.Insert(c.prefix, nil, nil)
+				var added, evicted []uint64
+				c.predicted, added, evicted = e.lru.Insert(c.prefix, nil, nil)
 				r.note(c.eng, added, evicted)
 			}
 			return
@@ -528,7 +530,7 @@ func (r *simRun) advance(i int) {
 			if r.index && len(c.prefix) > 0 {
 				// The engine's usage corrects the agent's picture.
 				n := scheduler.CachedBlocks(len(c.prefix), ev.Usage.PromptTokens, ev.Usage.CachedTokens)
-				r.note(i, nil, e.lru.Correct(c.prefix, n, nil))
+				r.note(i, nil, e.lru.Correct(c.prefix, c.predicted, n, nil))
 				if e.sizedN < calibrateAfter {
 					e.sizedBytes += int64(len(c.prefix)) * int64(r.cfg.Prefix.BlockBytes())
 					e.sizedTokens += int64(ev.Usage.PromptTokens)
