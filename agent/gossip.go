@@ -67,7 +67,7 @@ func (a *Agent) gossipMeta() transport.NodeMeta {
 		Role:         transport.NodeRoleAgent,
 		Name:         a.cfg.Name,
 		Models:       models,
-		Capacity:     a.cfg.MaxConcurrency,
+		Capacity:     a.capacity(),
 		InFlight:     a.InFlight(),
 		Running:      met.Running,
 		Waiting:      met.Waiting,
@@ -245,6 +245,7 @@ func (a *Agent) metricsLoop(ctx context.Context, interval time.Duration) {
 			continue
 		}
 		met, err := a.scrapeMetrics(ctx)
+		a.observeLoad(met, err == nil)
 		if err != nil {
 			continue
 		}
