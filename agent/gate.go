@@ -4,12 +4,11 @@ import (
 	"context"
 	"errors"
 	"net/http"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
 )
 
 // The gate.
@@ -20,67 +19,9 @@ import (
 // capacity, so that each relay keeps the requests it cannot place in its
 // own fair queue. Several relays share the engine, and each places up to
 // the whole limit: the requests beyond it wait here, in the same fair
-// order (scheduler.Queue) by the client each relay names in HeaderFlow, so
+// order (scheduler.Queue) by the client each relay names in
+// transport.HeaderFlow, so
 // that a client on one relay is not served after a flood on another.
-
-// HeaderFlow is the request header in which a relay names the client a
-// request is for, its weight and class and the request's cost in tokens:
-// "client=NAME, weight=W, class=interactive|batch, cost=TOKENS". The
-// agent orders the requests waiting at its gate by it and does not pass it
-// to the engine.
-const HeaderFlow = "X-Computeflux-Flow"
-
-// Flow is what HeaderFlow carries.
-type Flow struct {
-	// Client names the client; empty means the relay alone.
-	Client string
-	// Weight is the client's share; non-positive means 1.
-	Weight float64
-	// Class is the client's band.
-	Class scheduler.Band
-	// Cost is the request's expected tokens; non-positive means 1.
-	Cost float64
-}
-
-// String formats f for HeaderFlow.
-func (f Flow) String() string {
-	var b strings.Builder
-	b.Grow(len(f.Client) + 64)
-	b.WriteString("client=")
-	b.WriteString(f.Client)
-	b.WriteString(", weight=")
-	b.WriteString(strconv.FormatFloat(f.Weight, 'g', 6, 64))
-	b.WriteString(", class=")
-	b.WriteString(f.Class.String())
-	b.WriteString(", cost=")
-	b.WriteString(strconv.FormatFloat(f.Cost, 'f', 0, 64))
-	return b.String()
-}
-
-// ParseFlow reads HeaderFlow's value. Unknown or malformed parts are left
-// at their zero values: a relay of another version still gets served.
-func ParseFlow(s string) Flow {
-	var f Flow
-	for part := range strings.SplitSeq(s, ",") {
-		k, v, ok := strings.Cut(strings.TrimSpace(part), "=")
-		if !ok {
-			continue
-		}
-		switch k {
-		case "client":
-			if len(v) <= 256 {
-				f.Client = v
-			}
-		case "weight":
-			f.Weight, _ = strconv.ParseFloat(v, 64)
-		case "class":
-			f.Class, _ = scheduler.ParseBand(v)
-		case "cost":
-			f.Cost, _ = strconv.ParseFloat(v, 64)
-		}
-	}
-	return f
-}
 
 // errGateFull is the answer when too many requests wait at the gate.
 var errGateFull = errors.New("too many requests are waiting for this agent's engine")
@@ -141,12 +82,14 @@ func (g *gate) observe(met EngineMetrics, known bool, now time.Time) (limit int,
 // enter waits until the request may reach the engine, in fair order among
 // those waiting, and returns the function that releases its place. It
 // fails when ctx ends first or too many wait.
-func (g *gate) enter(ctx context.Context, f Flow) (release func(), err error) {
+func (g *gate) enter(ctx context.Context, f transport.Flow) (release func(), err error) {
+	rel := func() { g.release(f) }
 	g.mu.Lock()
 	if g.limit == 0 || (g.inFlight < g.limit && g.q.Len() == 0) {
 		g.inFlight++
+		g.q.Serving(f.Client, f.Cost)
 		g.mu.Unlock()
-		return g.release, nil
+		return rel, nil
 	}
 	ch := make(chan struct{})
 	it, err := g.q.Push("", f.Client, f.Class, f.Weight, f.Cost, ch)
@@ -156,21 +99,23 @@ func (g *gate) enter(ctx context.Context, f Flow) (release func(), err error) {
 	}
 	select {
 	case <-ch:
-		return g.release, nil
+		return rel, nil
 	case <-ctx.Done():
 		if g.q.Remove(it) {
 			return nil, ctx.Err()
 		}
 		<-ch // dispatched meanwhile: give the place back
-		g.release()
+		rel()
 		return nil, ctx.Err()
 	}
 }
 
-// release ends a request's place and admits the next waiting ones.
-func (g *gate) release() {
+// release ends the place of a request of f and admits the next waiting
+// ones.
+func (g *gate) release(f transport.Flow) {
 	g.mu.Lock()
 	g.inFlight--
+	g.q.Done(f.Client, f.Cost)
 	g.dispatchLocked()
 	g.mu.Unlock()
 }

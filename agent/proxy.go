@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"github.com/computeflux/computeflux/transport"
 )
 
 // servedPaths are the OpenAI endpoints forwarded to the engine, with their
@@ -323,10 +325,10 @@ func (a *Agent) serve(w http.ResponseWriter, r *http.Request, body []byte) {
 		writeError(w, http.StatusTooManyRequests, "agent_busy", "this agent is at its concurrency limit of "+strconv.Itoa(max))
 		return
 	}
-	flow := r.Header.Get(HeaderFlow)
-	r.Header.Del(HeaderFlow)
+	flow := r.Header.Get(transport.HeaderFlow)
+	r.Header.Del(transport.HeaderFlow)
 	if method == http.MethodPost {
-		release, err := a.gate.enter(r.Context(), ParseFlow(flow))
+		release, err := a.gate.enter(r.Context(), transport.ParseFlow(flow))
 		if err != nil {
 			if r.Context().Err() == nil {
 				gateError(w, err)

@@ -44,6 +44,8 @@ type reqLog struct {
 	status   int
 	ttfb     time.Duration
 	err      error
+	client   *Client // the key's client; nil without auth
+	flow     flowOf  // who the request is for, in the queue's terms
 }
 
 // serveHTTP dispatches by path and method; every error response goes through
@@ -96,7 +98,7 @@ func (r *Relay) get(w http.ResponseWriter, req *http.Request) bool {
 
 // auth answers 401 unless req carries a known key (or auth is off).
 func (r *Relay) auth(w http.ResponseWriter, req *http.Request) bool {
-	if r.cfg.NoAuth || r.keys.check(req) {
+	if r.cfg.NoAuth || r.clients.lookup(keyID(req, false)) != nil {
 		return true
 	}
 	writeError(w, errUnauthorized())
@@ -124,10 +126,13 @@ func (r *Relay) serveInferenceLogged(w http.ResponseWriter, req *http.Request) {
 	start := r.cfg.Clock.Now()
 	rl := &reqLog{path: req.URL.Path}
 	var err error
-	if !r.cfg.NoAuth && !r.keys.check(req) {
+	id := keyID(req, r.cfg.NoAuth)
+	if !r.cfg.NoAuth {
+		rl.client = r.clients.lookup(id)
+	}
+	if !r.cfg.NoAuth && rl.client == nil {
 		err = errUnauthorized()
 	} else if r.limits != nil {
-		id := keyID(req, r.cfg.NoAuth)
 		if err = r.limits.acquire(id); err == nil {
 			err = r.serveInference(w, req, rl)
 			r.limits.release(id)

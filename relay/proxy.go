@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
 )
 
 // Causes of a cancelled upstream request.
@@ -72,7 +73,8 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	r.installBinding(session)
 	blocks := r.promptBlocks(body) // prefix.go
 	defer releaseBlocks(blocks)
-	sr := scheduler.Request{Model: rt.model, SessionKey: session, Prefix: *blocks}
+	sr := scheduler.Request{Model: rt.model, SessionKey: session, Prefix: *blocks, Wait: r.queue != nil}
+	rl.flow = flowFor(req, rl.client, rt, len(body))
 	if w, err = r.routeAPI(w, req, rt, &sr); err != nil { // responses.go
 		return err
 	}
@@ -84,7 +86,12 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 		retryAfter     time.Duration
 	)
 	for n := 0; n < r.cfg.MaxAttempts; n++ {
-		c, err := att.Pick()
+		c, err := r.pick(req, att, rl.flow)
+		var qe *Error
+		if errors.As(err, &qe) || errors.Is(err, errClientGone) {
+			rl.agent, rl.affinity = "", ""
+			return err // the queue's own answer
+		}
 		if err != nil {
 			if errors.Is(err, scheduler.ErrUnknownModel) && failures == 0 && r.reg.routable() == 0 {
 				// No agent at all, as right after a relay restart while
@@ -133,6 +140,15 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	return errBadGateway(failures, lastErr)
 }
 
+// pick returns the Choice of a request's next attempt, waiting in the
+// queue for room when it has to (queue.go).
+func (r *Relay) pick(req *http.Request, att *scheduler.Attempt, fl flowOf) (scheduler.Choice, error) {
+	if r.queue == nil {
+		return att.Pick()
+	}
+	return r.queue.pick(req, att, fl)
+}
+
 // pickError maps a scheduler.Pick error to the client's error, taking the
 // failed attempts so far into account.
 func pickError(err error, model string, failures int, allRateLimited bool, retryAfter time.Duration, lastErr error) error {
@@ -160,6 +176,7 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 		if att.Report(c, o) == scheduler.ClassSuccess {
 			r.shareBinding(att.Request().SessionKey, c.EndpointID)
 		}
+		r.queue.finished(rl.flow) // a slot freed
 	}
 	tgt, ok := r.target(c, req.URL.Path)
 	if !ok {
@@ -191,6 +208,9 @@ func (r *Relay) attempt(w http.ResponseWriter, req *http.Request, body []byte, a
 	up.ContentLength = int64(len(body))
 	copyRequestHeaders(up.Header, req.Header)
 	tgt.authorize(up.Header)
+	if tgt.peer != "" {
+		up.Header[transport.HeaderFlow] = []string{rl.flow.header()}
+	}
 
 	start := r.cfg.Clock.Now()
 	// The first byte and the timer race in the watchdog: the winner alone

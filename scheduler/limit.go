@@ -20,8 +20,13 @@ import "time"
 // use the whole limit and the engine queues none, the limit grows, by a
 // quarter below the last size that made the engine queue and by one at or
 // above it, at most once per GrowEvery (as TCP's slow start and congestion
-// avoidance probe for a window). An engine that reports no load is not
-// measured: its limit stays Initial.
+// avoidance probe for a window). Probing above the last cut costs a
+// request queued in the engine for a few samples, so when the engine
+// queued with its KV cache far from full (its batch is bounded by its
+// sequence count, which does not change), it probes above that bound only
+// once per HardEvery; a batch bounded by the KV cache changes with the
+// prompts' lengths and is probed every GrowEvery. An engine that reports
+// no load is not measured: its limit stays Initial.
 
 // LimitConfig configures a Limiter. The zero value of every field means its
 // default.
@@ -35,7 +40,14 @@ type LimitConfig struct {
 	Min, Max int
 	// GrowEvery is the least time between two increases. Zero means 2 s.
 	GrowEvery time.Duration
+	// HardEvery is the least time between two probes above a cut made
+	// with the KV cache below HardKV full. Zero means 1 minute.
+	HardEvery time.Duration
 }
+
+// HardKV is the KV-cache usage below which an engine that queues is taken
+// to be bounded by its sequence count, not its cache.
+const HardKV = 0.9
 
 func (c LimitConfig) populate() LimitConfig {
 	if c.Initial <= 0 {
@@ -51,6 +63,9 @@ func (c LimitConfig) populate() LimitConfig {
 	c.Initial = min(max(c.Initial, c.Min), c.Max)
 	if c.GrowEvery <= 0 {
 		c.GrowEvery = 2 * time.Second
+	}
+	if c.HardEvery <= 0 {
+		c.HardEvery = time.Minute
 	}
 	return c
 }
@@ -77,9 +92,11 @@ type Limiter struct {
 	cfg      LimitConfig
 	limit    int
 	ceiling  int       // the limit the engine last queued at; 0 before
+	hard     bool      // the engine queued at ceiling with KV to spare
 	queued   int       // samples running in which the engine queued
 	queueMax int       // the most running seen over those samples
-	grown    time.Time // the last increase
+	kvMax    float64   // the highest KV usage over those samples
+	grown    time.Time // the last increase or cut
 }
 
 // NewLimiter returns a Limiter at its initial (or fixed) limit.
@@ -103,6 +120,7 @@ func (l *Limiter) Observe(s LimitSample) int {
 	if s.Waiting > 0 {
 		l.queued++
 		l.queueMax = max(l.queueMax, s.Running)
+		l.kvMax = max(l.kvMax, s.KVCacheUsage)
 		// One sample may catch a request between its arrival and the
 		// engine's next step: two in a row mean the batch is full.
 		if l.queued >= 2 && l.queueMax > 0 {
@@ -110,12 +128,17 @@ func (l *Limiter) Observe(s LimitSample) int {
 			// (it may serve more than this agent): the limit holds.
 			l.limit = min(max(min(l.queueMax, l.limit), l.cfg.Min), l.cfg.Max)
 			l.ceiling = l.limit
+			l.hard = l.kvMax < HardKV
 			l.grown = s.At
 		}
 		return l.limit
 	}
-	l.queued, l.queueMax = 0, 0
-	if s.InFlight < l.limit || s.KVCacheUsage >= 0.95 || s.At.Sub(l.grown) < l.cfg.GrowEvery {
+	l.queued, l.queueMax, l.kvMax = 0, 0, 0
+	wait := l.cfg.GrowEvery
+	if l.hard && l.limit >= l.ceiling {
+		wait = l.cfg.HardEvery
+	}
+	if s.InFlight < l.limit || s.KVCacheUsage >= 0.95 || s.At.Sub(l.grown) < wait {
 		return l.limit
 	}
 	step := 1

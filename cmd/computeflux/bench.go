@@ -18,8 +18,11 @@ import (
 // runBench compares routing policies on one workload and prints the table
 // (or JSON) for each scenario asked for.
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	if chaosScenario(args) {
+	switch namedScenario(args) {
+	case "chaos":
 		return runBenchChaos(ctx, args, stdout, stderr)
+	case "overload":
+		return runBenchOverload(ctx, args, stdout, stderr)
 	}
 	if rest, ok := cutOverhead(args); ok {
 		return runOverhead(ctx, rest, stdout, stderr)

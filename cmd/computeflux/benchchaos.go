@@ -6,27 +6,10 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"strings"
 	"time"
 
 	"github.com/computeflux/computeflux/cmd/computeflux/internal/chaos"
 )
-
-// chaosScenario reports whether a bench command line asks for the chaos
-// scenario, which runs this binary as processes instead of comparing
-// policies.
-func chaosScenario(args []string) bool {
-	for i, a := range args {
-		v, ok := strings.CutPrefix(strings.TrimLeft(a, "-"), "scenario=")
-		if !ok && strings.TrimLeft(a, "-") == "scenario" && i+1 < len(args) {
-			v, ok = args[i+1], true
-		}
-		if ok && v == "chaos" {
-			return true
-		}
-	}
-	return false
-}
 
 // runBenchChaos runs the chaos scenario live: this very binary as a relay,
 // sim engines and agents, under load while one agent is SIGKILLed, another
