@@ -33,4 +33,3 @@ func FuzzParseFlow(f *testing.F) {
 		}
 	})
 }
-
