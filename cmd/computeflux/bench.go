@@ -116,7 +116,8 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.IntVar(&cfg.Engine.CacheBlocks, "cache-blocks", simengine.DefaultCacheBlocks, "each engine's prefix cache in 16-token blocks")
 	fs.Float64Var(&cfg.Engine.PrefillTokensPerSec, "prefill-tokens-per-sec", simengine.DefaultPrefillTokensPerSec, "each engine's prompt throughput")
 	fs.IntVar(&cfg.Engine.MaxRunning, "max-running", simengine.DefaultMaxRunning, "sequences each engine batches")
-	fs.IntVar(&cfg.Capacity, "capacity", 0, "concurrency each agent announces to the scheduler (0: unlimited)")
+	fs.IntVar(&cfg.Capacity, "capacity", 0, "concurrency each agent announces to the scheduler (0: unlimited; sim: replaces --dispatch-limit)")
+	fs.IntVar(&cfg.DispatchLimit, "dispatch-limit", 0, "sim: requests each agent gives its engine at once; the rest wait in the relay's fair queue (0: the engine's batch, --max-running; -1: none, and no queue)")
 	if err := fs.Parse(args); err != nil {
 		return cfg, nil, false, "", err
 	}
