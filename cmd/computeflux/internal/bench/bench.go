@@ -168,6 +168,8 @@ type Config struct {
 	// it; negative means no queue: every request goes to an engine at
 	// once, and fails if Capacity is set and every agent is full.
 	DispatchLimit int
+	// Sweep configures RunSweep (sweep.go); Run ignores it.
+	Sweep SweepConfig
 	// MaxAttempts is the relay's tries per request. Default 3, as the relay.
 	MaxAttempts int
 	// Scheduler tunes the scheduler; Policy, Clock and Seed are set per run.
