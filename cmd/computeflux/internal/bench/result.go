@@ -207,10 +207,13 @@ func (rp *Report) StickyShare() (float64, bool) {
 }
 
 // WriteJSON writes the report as indented JSON.
-func (rp *Report) WriteJSON(w io.Writer) error {
+func (rp *Report) WriteJSON(w io.Writer) error { return writeJSON(w, rp) }
+
+// writeJSON writes v as indented JSON.
+func writeJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
-	return enc.Encode(rp)
+	return enc.Encode(v)
 }
 
 // WriteTable writes the report as an aligned text table.

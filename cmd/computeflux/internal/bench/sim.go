@@ -315,7 +315,7 @@ func (r *simRun) setUp(i int, up bool) {
 	e.up = up
 	for _, s := range r.everyScheduler() {
 		if up {
-			s.Upsert(scheduler.Endpoint{ID: e.id, Models: []string{r.cfg.Model}, Capacity: r.dispatchLimit()})
+			s.Upsert(scheduler.Endpoint{ID: e.id, Models: []string{r.cfg.Model}, Capacity: r.cfg.dispatchLimit()})
 			if r.index {
 				// A joining agent publishes a snapshot to every relay;
 				// deltas before it are superseded.

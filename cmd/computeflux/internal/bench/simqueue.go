@@ -33,17 +33,18 @@ import (
 // evQueueWait ends a request's wait in the queue at its bound.
 const evQueueWait uint8 = 201
 
-// dispatchLimit returns the capacity each agent announces: 0 for none.
-func (r *simRun) dispatchLimit() int {
+// dispatchLimit returns the capacity each simulated agent announces: 0
+// for none.
+func (c *Config) dispatchLimit() int {
 	switch {
-	case r.cfg.Capacity > 0:
-		return r.cfg.Capacity
-	case r.cfg.DispatchLimit > 0:
-		return r.cfg.DispatchLimit
-	case r.cfg.DispatchLimit < 0:
+	case c.Capacity > 0:
+		return c.Capacity
+	case c.DispatchLimit > 0:
+		return c.DispatchLimit
+	case c.DispatchLimit < 0:
 		return 0
 	}
-	return orDefault(r.cfg.Engine.MaxRunning, simengine.DefaultMaxRunning)
+	return orDefault(c.Engine.MaxRunning, simengine.DefaultMaxRunning)
 }
 
 // newQueues gives every relay its queue, unless the dispatch limit is

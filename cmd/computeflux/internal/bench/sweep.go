@@ -1,8 +1,8 @@
 package bench
 
 import (
+	"cmp"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -299,7 +299,7 @@ func RunSweep(ctx context.Context, cfg Config) (*SweepReport, error) {
 					p, speed, pt.Offered, cell(pt.TTFT.P90), pt.GoodReqPerSec, map[bool]string{true: "holds", false: "misses"}[pt.Held])
 			}
 		}
-		slices.SortFunc(res.Points, func(a, b SweepPoint) int { return cmpFloat(a.Speed, b.Speed) })
+		slices.SortFunc(res.Points, func(a, b SweepPoint) int { return cmp.Compare(a.Speed, b.Speed) })
 		res.MaxSpeed, res.FailedSpeed = s.bracket()
 		for _, pt := range res.Points {
 			if pt.Speed == res.MaxSpeed {
@@ -309,7 +309,7 @@ func RunSweep(ctx context.Context, cfg Config) (*SweepReport, error) {
 		res.Wall = time.Since(wall)
 		rp.Policies = append(rp.Policies, res)
 	}
-	rp.DispatchLimit = (&simRun{cfg: &cfg}).dispatchLimit()
+	rp.DispatchLimit = cfg.dispatchLimit()
 	return rp, nil
 }
 
@@ -374,22 +374,8 @@ func lastArrival(w *Workload) time.Duration {
 	return last
 }
 
-func cmpFloat(a, b float64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
-}
-
 // WriteJSON writes the report as indented JSON.
-func (rp *SweepReport) WriteJSON(w io.Writer) error {
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(rp)
-}
+func (rp *SweepReport) WriteJSON(w io.Writer) error { return writeJSON(w, rp) }
 
 // WriteTable writes every run, then each policy's highest speed held and
 // its ratio to round-robin's.
