@@ -20,7 +20,7 @@ type metrics struct {
 	duration prometheus.Histogram
 	retries  prometheus.Counter
 	failures *prometheus.CounterVec // failed attempts before the first byte, by agent
-	routable prometheus.Gauge
+	routable prometheus.GaugeFunc
 	forged   prometheus.Counter // peers cut off for forged gossip
 	index    *indexMetrics      // prefix index traffic (prefix.go)
 	relay    *Relay
@@ -70,10 +70,11 @@ func newMetrics(r *Relay) *metrics {
 			Name: "computeflux_attempt_failures_total",
 			Help: "Attempts that failed before their first byte (and were retried or given up), by agent.",
 		}, []string{"agent"}),
-		routable: prometheus.NewGauge(prometheus.GaugeOpts{
+		// Read at scrape time from the state the scheduler routes on.
+		routable: prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "computeflux_agents_routable",
-			Help: "Joined agents that may take new requests (not draining, not dead, serving a model).",
-		}),
+			Help: "Joined agents the scheduler routes to (serving a model; not dead, disabled, draining or suspect).",
+		}, func() float64 { return float64(r.reg.routable()) }),
 		forged: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "computeflux_gossip_forgeries_total",
 			Help: "Joined peers cut off because they sent gossip no honest member sends.",
@@ -142,10 +143,6 @@ func (m *metrics) affinityCounter(result string) prometheus.Counter {
 	return m.affinityBy.get(result, func(r string) prometheus.Counter {
 		return m.affinity.WithLabelValues(r)
 	})
-}
-
-func (m *metrics) updateRoutable() {
-	m.routable.Set(float64(m.relay.reg.routable()))
 }
 
 // schedulerCollector exports the scheduler's per-agent state at scrape time.

@@ -99,7 +99,6 @@ func New(cfg Config) (*Relay, error) {
 	r.providers = newProviderSet(r)
 	r.stats = newStatsWindow()
 	r.metrics = newMetrics(r)
-	r.reg.onChange = func() { r.metrics.updateRoutable() }
 	r.handler = http.HandlerFunc(r.serveHTTP)
 
 	if !cfg.NoP2P {
