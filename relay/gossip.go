@@ -270,6 +270,7 @@ func (r *Relay) startP2PAdmission(relays map[peer.ID]bool) {
 		DisconnectedF: func(n network.Network, c network.Conn) {
 			if p := c.RemotePeer(); n.Connectedness(p) != network.Connected && n.Connectedness(p) != network.Limited {
 				r.reg.disconnected(p)
+				r.forgetPeer(p)
 			}
 		},
 	}

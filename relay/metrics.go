@@ -25,9 +25,11 @@ type metrics struct {
 	index    *indexMetrics      // prefix index traffic (prefix.go)
 	relay    *Relay
 
-	// Children of requests and affinity, resolved once per label set.
+	// Children of requests, affinity and failures, resolved once per label
+	// set.
 	requestsBy resolvedCounters[requestLabels]
 	affinityBy resolvedCounters[string]
+	failuresBy resolvedCounters[string]
 }
 
 // requestLabels are the labels of computeflux_requests_total.
@@ -131,11 +133,67 @@ func (r *resolvedCounters[K]) get(k K, resolve func(K) prometheus.Counter) prome
 	return c
 }
 
+// forget removes the children whose key matches and returns their keys.
+func (r *resolvedCounters[K]) forget(match func(K) bool) []K {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []K
+	for k := range r.m {
+		if match(k) {
+			delete(r.m, k)
+			out = append(out, k)
+		}
+	}
+	return out
+}
+
+// keys returns the keys of the children resolved so far.
+func (r *resolvedCounters[K]) keys() []K {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	out := make([]K, 0, len(r.m))
+	for k := range r.m {
+		out = append(out, k)
+	}
+	return out
+}
+
 // requestCounter returns the requests counter of agent and status.
 func (m *metrics) requestCounter(agent string, status int) prometheus.Counter {
 	return m.requestsBy.get(requestLabels{agent, status}, func(k requestLabels) prometheus.Counter {
 		return m.requests.WithLabelValues(k.agent, strconv.Itoa(k.status))
 	})
+}
+
+// failureCounter returns the failed-attempts counter of agent.
+func (m *metrics) failureCounter(agent string) prometheus.Counter {
+	return m.failuresBy.get(agent, func(a string) prometheus.Counter {
+		return m.failures.WithLabelValues(a)
+	})
+}
+
+// forgetAgent removes agent's series (its registration ended): agents that
+// come and go under new names leave no series behind.
+func (m *metrics) forgetAgent(agent string) {
+	for _, k := range m.requestsBy.forget(func(k requestLabels) bool { return k.agent == agent }) {
+		m.requests.DeleteLabelValues(k.agent, strconv.Itoa(k.status))
+	}
+	if len(m.failuresBy.forget(func(a string) bool { return a == agent })) > 0 {
+		m.failures.DeleteLabelValues(agent)
+	}
+	m.index.forgetAgent(agent)
+}
+
+// agentNames returns the agents that have series of their own.
+func (m *metrics) agentNames() map[string]bool {
+	out := make(map[string]bool)
+	for _, k := range m.requestsBy.keys() {
+		out[k.agent] = true
+	}
+	for _, a := range m.failuresBy.keys() {
+		out[a] = true
+	}
+	return out
 }
 
 // affinityCounter returns the affinity counter of result.

@@ -267,7 +267,7 @@ func (r *Relay) finish(p *proxied, c scheduler.Choice, n int, res *attemptResult
 	if res.committed || p.req.Context().Err() != nil {
 		return
 	}
-	r.metrics.failures.WithLabelValues(c.EndpointID).Inc()
+	r.metrics.failureCounter(c.EndpointID).Inc()
 	r.logAttempt(c, n, res.err)
 }
 

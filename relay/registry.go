@@ -40,6 +40,11 @@ type Registry struct {
 	// ops, if set, holds the operator's settings that win over what agents
 	// declare, and the names reserved for provider endpoints (operator.go).
 	ops *operator
+	// forget, if set, is called (without mu held) when a registration
+	// ended, with the peer and, when no agent holds it any more, the name:
+	// state kept by peer or name elsewhere (metric series, traffic counts,
+	// the peerstore) goes with them.
+	forget func(p peer.ID, name string)
 
 	mu     sync.Mutex        // guards the following fields
 	byName map[string]*entry // agent name -> entry
@@ -143,15 +148,10 @@ func (g *Registry) disconnected(p peer.ID) {
 }
 
 // overdue returns the peers connected for AdmitGrace or longer without
-// joining, and forgets them (and registrations that ended long ago).
+// joining, and forgets them.
 func (g *Registry) overdue(now time.Time) []peer.ID {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	for p, at := range g.leftAt {
-		if now.Sub(at) >= leaveGrace {
-			delete(g.leftAt, p)
-		}
-	}
 	var out []peer.ID
 	for p, since := range g.pending {
 		if now.Sub(since) >= AdmitGrace {
@@ -204,6 +204,9 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	g.publishLocked(e, true)
 	g.mu.Unlock()
 
+	if oldName != "" && g.forget != nil {
+		g.forget("", oldName)
+	}
 	g.log.Info().Str("agent", info.Name).Stringer("peer", p).Strs("models", info.Models).
 		Int("capacity", info.Capacity).Bool("draining", info.Draining).Msg("agent joined")
 	if g.onRelays != nil && len(info.Relays) > 0 {
@@ -240,12 +243,14 @@ func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
 func (g *Registry) Left(p peer.ID) {
 	g.mu.Lock()
 	e, ok := g.byPeer[p]
+	freed := false
 	if ok {
 		delete(g.byPeer, p)
 		g.leftAt[p] = time.Now()
 		if g.byName[e.name] == e {
 			delete(g.byName, e.name)
 			g.withdrawLocked(e.name)
+			freed = true
 		}
 	}
 	g.mu.Unlock()
@@ -255,6 +260,13 @@ func (g *Registry) Left(p peer.ID) {
 	g.log.Info().Str("agent", e.name).Stringer("peer", p).Msg("agent left")
 	if g.index != nil {
 		g.index.left(p)
+	}
+	if g.forget != nil {
+		name := ""
+		if freed {
+			name = e.name
+		}
+		g.forget(p, name)
 	}
 }
 
@@ -289,6 +301,23 @@ func (g *Registry) SetDead(name string, dead bool) {
 	if !dead && g.index != nil {
 		// Remove dropped its prefix index entries: ask for them again.
 		g.index.resync(e.peer)
+	}
+}
+
+// sweep forgets registrations that ended more than leaveGrace ago and bans
+// that ran out: what departed peers left behind.
+func (g *Registry) sweep(now time.Time) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for p, at := range g.leftAt {
+		if now.Sub(at) >= leaveGrace {
+			delete(g.leftAt, p)
+		}
+	}
+	for p, until := range g.banned {
+		if !now.Before(until) {
+			delete(g.banned, p)
+		}
 	}
 }
 
