@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log"
+	"reflect"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/hashicorp/memberlist"
 	"github.com/libp2p/go-libp2p/core/host"
@@ -234,9 +236,10 @@ type Gossip struct {
 	probeInterval                   time.Duration
 
 	guard *gossipGuard
-	// sweepEvery is how often sweep runs: gossipSweepEvery (tests shorten
-	// it before the first tick).
-	sweepEvery atomic.Int64
+	// sweepEvery is how often sweep runs, and queueSlack what it leaves in
+	// memberlist's broadcast queue beyond one message per member:
+	// gossipSweepEvery and gossipQueueSlack (tests lower them).
+	sweepEvery, queueSlack atomic.Int64
 
 	mu        sync.Mutex            // guards the following fields
 	banned    map[peer.ID]time.Time // caught forging: not admitted until then
@@ -288,6 +291,7 @@ func NewGossip(cfg GossipConfig) (*Gossip, error) {
 	g.suspicionMult, g.suspicionMaxMult, g.probeInterval = mlc.SuspicionMult, mlc.SuspicionMaxTimeoutMult, mlc.ProbeInterval
 	g.guard = newGossipGuard(g.self, cfg.Trusted)
 	g.sweepEvery.Store(int64(gossipSweepEvery))
+	g.queueSlack.Store(gossipQueueSlack)
 	admit := func(p peer.ID) bool {
 		if g.isBanned(p) {
 			return false
@@ -572,6 +576,30 @@ func (g *Gossip) sweep(now time.Time) {
 	keep := func(p peer.ID) bool { return members[p] || p == g.self }
 	g.guard.keepOnly(keep)
 	g.tr.keepOnly(keep)
+	if q := broadcastQueue(g.ml); q != nil {
+		q.Prune(len(members) + int(g.queueSlack.Load()))
+	}
+}
+
+// gossipQueueSlack is how many broadcasts beyond one per member memberlist
+// may keep queued (see sweep).
+const gossipQueueSlack = 64
+
+// broadcastQueue returns memberlist's queue of broadcasts about members,
+// or nil if this memberlist keeps it otherwise (a test checks that it does
+// not). Memberlist keeps a member's last alive or dead message there until
+// it has been sent to enough members: under churn faster than gossip
+// drains it, or with no member left to send to, the messages of departed
+// members pile up, one per departure, and memberlist offers no bound. sweep
+// prunes it (memberlist's own Prune, oldest and most sent first) to one
+// message per member and some slack: a member that misses the news of an
+// old departure learns it from its own probes or the next push/pull.
+func broadcastQueue(ml *memberlist.Memberlist) *memberlist.TransmitLimitedQueue {
+	f := reflect.ValueOf(ml).Elem().FieldByName("broadcasts")
+	if !f.IsValid() || f.Type() != reflect.TypeFor[*memberlist.TransmitLimitedQueue]() || f.IsNil() {
+		return nil
+	}
+	return (*memberlist.TransmitLimitedQueue)(unsafe.Pointer(f.Pointer()))
 }
 
 // forget drops what Gossip's guard and transport keep about p, a member

@@ -20,6 +20,7 @@ func gossipTables(g *Gossip) map[string]int {
 	g.tr.mu.Lock()
 	out["transport.byAddr"], out["transport.senders"] = len(g.tr.byAddr), len(g.tr.senders)
 	g.tr.mu.Unlock()
+	out["memberlist.broadcasts"] = broadcastQueue(g.ml).NumQueued()
 	return out
 }
 
@@ -35,7 +36,11 @@ func TestGossipForgetsDepartedMembers(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer g.Shutdown()
+	if broadcastQueue(g.ml) == nil {
+		t.Fatal("memberlist's broadcast queue is out of reach: this memberlist keeps it otherwise")
+	}
 	g.sweepEvery.Store(int64(time.Second))
+	g.queueSlack.Store(0)
 	before := gossipTables(g)
 	const n = 12
 	for i := range n {
