@@ -43,10 +43,11 @@ var (
 // Each stage that ends the attempt returns its result, outcome included; the
 // request path (proxy.go, finish) reports it.
 
-// exchange is one attempt in flight.
+// exchange is one attempt in flight. It does not hold the request (each
+// stage is given it): escape analysis would move a request referenced from
+// here to the heap.
 type exchange struct {
 	r      *Relay
-	p      *proxied
 	c      scheduler.Choice
 	ctx    context.Context // the attempt's context: the client's, cancelled with a cause
 	cancel context.CancelCauseFunc
@@ -63,7 +64,7 @@ func (r *Relay) attempt(p *proxied, c scheduler.Choice) attemptResult {
 	if !ok {
 		return attemptResult{outcome: scheduler.Outcome{Err: ErrAgentGone}, err: fmt.Errorf("%s: %w", c.EndpointID, ErrAgentGone)}
 	}
-	x := exchange{r: r, p: p, c: c}
+	x := exchange{r: r, c: c}
 	x.ctx, x.cancel = context.WithCancelCause(p.req.Context())
 	defer x.cancel(nil)
 	upCtx := x.ctx
@@ -74,7 +75,7 @@ func (r *Relay) attempt(p *proxied, c scheduler.Choice) attemptResult {
 		x.fl, upCtx = r.live.begin(x.ctx, x.cancel, tgt.peer, c.EndpointID)
 		defer x.fl.end()
 	}
-	up, err := x.request(upCtx, tgt)
+	up, err := x.request(p, upCtx, tgt)
 	if err != nil {
 		return attemptResult{outcome: scheduler.Outcome{Err: err}, err: err}
 	}
@@ -89,7 +90,7 @@ func (r *Relay) attempt(p *proxied, c scheduler.Choice) attemptResult {
 
 	resp, err := tgt.rt.RoundTrip(up)
 	if err != nil {
-		return x.failed(0, err)
+		return x.failed(p, 0, err)
 	}
 	if x.fl != nil {
 		x.fl.acked() // a response header is an acknowledgement too
@@ -101,13 +102,13 @@ func (r *Relay) attempt(p *proxied, c scheduler.Choice) attemptResult {
 
 	bp := bufPool.Get().(*[]byte)
 	defer bufPool.Put(bp)
-	hd, res, ok := x.firstByte(resp, *bp)
+	hd, res, ok := x.firstByte(p, resp, *bp)
 	if !ok {
 		return res
 	}
-	cp := x.commit(resp, hd.sse)
+	cp := x.commit(p, resp, hd.sse)
 	defer cp.clearDeadline()
-	return x.copy(resp, &cp, hd, *bp)
+	return x.copy(p, resp, &cp, hd, *bp)
 }
 
 // head is what the first-byte stage read of an answer.
@@ -118,8 +119,7 @@ type head struct {
 }
 
 // request builds the upstream request of the attempt for tgt.
-func (x *exchange) request(ctx context.Context, tgt target) (*http.Request, error) {
-	p := x.p
+func (x *exchange) request(p *proxied, ctx context.Context, tgt target) (*http.Request, error) {
 	// Parsing the target's URL string on every attempt was a visible cost
 	// on a busy relay: the request is built with an empty URL (parsed for
 	// free) and given the target's, already built.
@@ -139,9 +139,9 @@ func (x *exchange) request(ctx context.Context, tgt target) (*http.Request, erro
 // failed is the result of an attempt that ended before its first byte: the
 // client gone, the time to first byte, a liveness check, or the transport's
 // error.
-func (x *exchange) failed(status int, err error) attemptResult {
+func (x *exchange) failed(p *proxied, status int, err error) attemptResult {
 	lat := x.r.cfg.Clock.Now().Sub(x.start)
-	if x.p.req.Context().Err() != nil {
+	if p.req.Context().Err() != nil {
 		return attemptResult{outcome: scheduler.Outcome{Status: statusClientClosed, Latency: lat}, err: errClientGone}
 	}
 	if cause := context.Cause(x.ctx); errors.Is(cause, ErrTTFBTimeout) || errors.Is(cause, ErrNoAck) || errors.Is(cause, ErrAgentSilent) {
@@ -168,7 +168,7 @@ func (x *exchange) refused(resp *http.Response) attemptResult {
 // non-streamed answer whole (up to maxCheckedBody) to check that it is JSON.
 // It returns what was read; ok is false when the attempt ended here (res
 // says how).
-func (x *exchange) firstByte(resp *http.Response, buf []byte) (hd head, res attemptResult, ok bool) {
+func (x *exchange) firstByte(p *proxied, resp *http.Response, buf []byte) (hd head, res attemptResult, ok bool) {
 	n, rerr := readSome(resp.Body, buf)
 	if !x.wd.firstByte() {
 		// The timer fired as the first byte arrived: the request is
@@ -178,10 +178,10 @@ func (x *exchange) firstByte(resp *http.Response, buf []byte) (hd head, res atte
 		n = 0
 	}
 	if n == 0 && rerr != nil && rerr != io.EOF {
-		return head{}, x.failed(resp.StatusCode, rerr), false
+		return head{}, x.failed(p, resp.StatusCode, rerr), false
 	}
 	ttfb := x.r.cfg.Clock.Now().Sub(x.start)
-	x.p.route.Started(x.c) // the prompt is prefilled: no longer the agent's backlog
+	p.route.Started(x.c) // the prompt is prefilled: no longer the agent's backlog
 	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 	first := buf[:n]
 	if !sse && resp.StatusCode/100 == 2 {
@@ -192,7 +192,7 @@ func (x *exchange) firstByte(resp *http.Response, buf []byte) (hd head, res atte
 			if cause := context.Cause(x.ctx); errors.Is(cause, ErrIdleTimeout) {
 				rerr = cause
 			}
-			return head{}, x.failed(resp.StatusCode, rerr), false
+			return head{}, x.failed(p, resp.StatusCode, rerr), false
 		}
 		if rerr == io.EOF && !json.Valid(first) {
 			return head{}, attemptResult{
@@ -201,14 +201,14 @@ func (x *exchange) firstByte(resp *http.Response, buf []byte) (hd head, res atte
 			}, false
 		}
 	}
-	x.p.rl.ttfb, x.p.rl.status = ttfb, resp.StatusCode
+	p.rl.ttfb, p.rl.status = ttfb, resp.StatusCode
 	return head{first: first, err: rerr, sse: sse}, attemptResult{}, true
 }
 
 // commit sends the answer's status and headers to the client, with the
 // routing headers, and returns the copier of its body.
-func (x *exchange) commit(resp *http.Response, sse bool) streamCopier {
-	w := x.p.w
+func (x *exchange) commit(p *proxied, resp *http.Response, sse bool) streamCopier {
+	w := p.w
 	copyResponseHeaders(w.Header(), resp.Header, x.c) // headers.go
 	h := w.Header()
 	if sse {
@@ -229,7 +229,7 @@ func (x *exchange) commit(resp *http.Response, sse bool) streamCopier {
 
 // copy passes the answer to the client: what the first-byte stage read,
 // then the rest. Its result is committed whatever happens.
-func (x *exchange) copy(resp *http.Response, cp *streamCopier, hd head, buf []byte) attemptResult {
+func (x *exchange) copy(p *proxied, resp *http.Response, cp *streamCopier, hd head, buf []byte) attemptResult {
 	rerr := hd.err
 	werr, ferr := cp.writeUpstream(hd.first)
 	if werr == nil && ferr == nil && rerr == nil {
@@ -255,12 +255,12 @@ func (x *exchange) copy(resp *http.Response, cp *streamCopier, hd head, buf []by
 		x.cancel(ErrBadUpstream)
 		rerr = ErrBadUpstream
 	}
-	ttfb := x.p.rl.ttfb
+	ttfb := p.rl.ttfb
 	switch {
-	case werr != nil || x.p.req.Context().Err() != nil:
+	case werr != nil || p.req.Context().Err() != nil:
 		// The client left or stopped reading: not the endpoint's fault.
 		x.cancel(errClientGone)
-		x.p.rl.status = statusClientClosed
+		p.rl.status = statusClientClosed
 		return attemptResult{outcome: scheduler.Outcome{Status: statusClientClosed, Latency: ttfb}, committed: true, err: errClientGone}
 	case rerr == nil || rerr == io.EOF:
 		return attemptResult{outcome: scheduler.Outcome{Status: resp.StatusCode, Latency: ttfb}, committed: true}
@@ -284,6 +284,6 @@ func (x *exchange) copy(resp *http.Response, cp *streamCopier, hd head, buf []by
 	case errors.Is(cause, ErrBadUpstream):
 		msg, code = "The agent sent a malformed event", "upstream_invalid"
 	}
-	_ = cp.writeEvent(streamErrorEventFor(x.p.path, msg, code))
+	_ = cp.writeEvent(streamErrorEventFor(p.path, msg, code))
 	return res
 }

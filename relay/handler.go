@@ -56,7 +56,7 @@ func (r *Relay) serveHTTP(w http.ResponseWriter, req *http.Request) {
 			writeError(w, errMethod(req.Method, "POST"))
 			return
 		}
-		r.serveProxied(w, req, &reqLog{path: req.URL.Path}, (*Relay).prepareInference) // proxy.go
+		r.serveProxied(w, req, "", req.URL.Path, "") // proxy.go
 	case "/v1/models":
 		if !r.get(w, req) || !r.auth(w, req) {
 			return

@@ -47,11 +47,12 @@ type route interface {
 var _ route = (*scheduler.Attempt)(nil)
 
 // proxied is one client request on its way to an endpoint: what prepare
-// read from it, once, and what every attempt uses.
+// read from it, once, what every attempt uses, and what its log line and
+// metrics report (one allocation for all of it).
 type proxied struct {
 	w       http.ResponseWriter // the client's writer (wrapped for the Responses API)
 	req     *http.Request
-	rl      *reqLog
+	rl      reqLog
 	method  string // the upstream request's method
 	path    string // the upstream request's path
 	query   string // the upstream request's query (stored responses only)
@@ -79,16 +80,15 @@ type attemptResult struct {
 	retryAfter  time.Duration // from the endpoint's Retry-After
 }
 
-// preparer is a prepare stage (a method expression of *Relay, so that
-// passing it costs no allocation): it reads req into a proxied request, or
-// returns the error to answer with. It may record what it learns in rl.
-type preparer func(r *Relay, w http.ResponseWriter, req *http.Request, rl *reqLog) (*proxied, error)
-
 // serveProxied serves one request through the stages above and writes its
-// log line and metrics.
-func (r *Relay) serveProxied(w http.ResponseWriter, req *http.Request, rl *reqLog, prepare preparer) {
+// log line (which names it by method, when not POST, and path) and metrics.
+// stored is the response id of a request about a stored response; empty for
+// an inference request.
+func (r *Relay) serveProxied(w http.ResponseWriter, req *http.Request, method, path, stored string) {
 	start := r.cfg.Clock.Now()
-	err := r.runStages(w, req, rl, prepare)
+	p := &proxied{w: w, req: req, rl: reqLog{method: method, path: path}}
+	rl := &p.rl
+	err := r.runStages(p, stored)
 	abort := false
 	switch {
 	case err == nil:
@@ -126,18 +126,23 @@ func (r *Relay) serveProxied(w http.ResponseWriter, req *http.Request, rl *reqLo
 	}
 }
 
-// runStages authenticates req, then prepares, admits and proxies it. It
-// returns nil once a response went out, or the error that writeError turns
-// into one.
-func (r *Relay) runStages(w http.ResponseWriter, req *http.Request, rl *reqLog, prepare preparer) error {
-	if !r.cfg.NoAuth && !r.keys.check(req) {
+// runStages authenticates p's request, then prepares, admits and proxies
+// it. It returns nil once a response went out, or the error that
+// writeError turns into one.
+func (r *Relay) runStages(p *proxied, stored string) error {
+	if !r.cfg.NoAuth && !r.keys.check(p.req) {
 		return errUnauthorized()
 	}
-	p, err := prepare(r, w, req, rl)
+	var err error
+	if stored == "" {
+		err = r.prepareInference(p)
+	} else {
+		err = r.prepareStored(p, stored) // responses.go
+	}
+	defer p.release()
 	if err != nil {
 		return err
 	}
-	defer p.release()
 	a, err := r.admit(p)
 	if err != nil {
 		return err
@@ -148,29 +153,27 @@ func (r *Relay) runStages(w http.ResponseWriter, req *http.Request, rl *reqLog, 
 
 // prepareInference reads and parses an inference request and begins its
 // scheduling.
-func (r *Relay) prepareInference(w http.ResponseWriter, req *http.Request, rl *reqLog) (*proxied, error) {
-	body, err := readBody(w, req, r.cfg.MaxBodyBytes)
+func (r *Relay) prepareInference(p *proxied) error {
+	body, err := readBody(p.w, p.req, r.cfg.MaxBodyBytes)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	rt, err := parseRouting(body)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	session := sessionKey(req, rt)
-	rl.model, rl.stream, rl.session = rt.model, rt.stream, session != ""
+	p.method, p.path, p.body = http.MethodPost, p.req.URL.Path, body
+	p.session = sessionKey(p.req, rt)
+	p.rl.model, p.rl.stream, p.rl.session = rt.model, rt.stream, p.session != ""
 
-	r.installBinding(session)
-	blocks := r.promptBlocks(body) // prefix.go
-	sr := scheduler.Request{Model: rt.model, SessionKey: session, Prefix: *blocks}
-	if w, err = r.routeAPI(w, req, rt, &sr); err != nil { // responses.go
-		releaseBlocks(blocks)
-		return nil, err
+	r.installBinding(p.session)
+	p.blocks = r.promptBlocks(body) // prefix.go; release gives them back
+	sr := scheduler.Request{Model: rt.model, SessionKey: p.session, Prefix: *p.blocks}
+	if p.w, err = r.routeAPI(p.w, p.req, rt, &sr); err != nil { // responses.go
+		return err
 	}
-	return &proxied{
-		w: w, req: req, rl: rl, method: http.MethodPost, path: req.URL.Path, body: body,
-		session: session, route: r.sched.Begin(sr), blocks: blocks,
-	}, nil
+	p.route = r.sched.Begin(sr)
+	return nil
 }
 
 // admission is a request's hold on its key's limits, from admit to leave.
@@ -220,7 +223,7 @@ func (f *failureTally) add(res *attemptResult) {
 // proxy tries up to MaxAttempts endpoints until one answers. It returns nil
 // once a response went out, or the error that writeError turns into one.
 func (r *Relay) proxy(p *proxied) error {
-	rl := p.rl
+	rl := &p.rl
 	f := failureTally{allRateLimited: true}
 	for n := 0; n < r.cfg.MaxAttempts; n++ {
 		c, err := p.route.Pick()

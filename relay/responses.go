@@ -343,30 +343,26 @@ func (r *Relay) serveStoredResponse(w http.ResponseWriter, req *http.Request, re
 		writeError(w, errMethod(req.Method, allowed))
 		return
 	}
-	rl := &reqLog{method: req.Method, path: pathResponses + "/{id}"}
-	r.serveProxied(w, req, rl, func(r *Relay, w http.ResponseWriter, req *http.Request, rl *reqLog) (*proxied, error) {
-		return r.prepareStored(w, req, id, rl)
-	})
+	r.serveProxied(w, req, req.Method, pathResponses+"/{id}", id)
 }
 
 // prepareStored finds the agent holding response id and makes it the only
 // route of the request.
-func (r *Relay) prepareStored(w http.ResponseWriter, req *http.Request, id string, rl *reqLog) (*proxied, error) {
+func (r *Relay) prepareStored(p *proxied, id string) error {
 	e, err := r.locateResponse(id, "")
 	if err != nil {
-		return nil, err
+		return err
 	}
-	rl.model = e.model
-	var body []byte
+	req := p.req
+	p.rl.model = e.model
 	if req.Method == http.MethodPost {
-		if body, err = readBody(w, req, r.cfg.MaxBodyBytes); err != nil {
-			return nil, err
+		if p.body, err = readBody(p.w, req, r.cfg.MaxBodyBytes); err != nil {
+			return err
 		}
 	}
-	return &proxied{
-		w: w, req: req, rl: rl, method: req.Method, path: req.URL.Path, query: req.URL.RawQuery, body: body,
-		route: &storedRoute{r: r, id: id, agent: e.agent, delete: req.Method == http.MethodDelete},
-	}, nil
+	p.method, p.path, p.query = req.Method, req.URL.Path, req.URL.RawQuery
+	p.route = &storedRoute{r: r, id: id, agent: e.agent, delete: req.Method == http.MethodDelete}
+	return nil
 }
 
 // errOnlyHolder ends the attempts of a request about a stored response once
