@@ -1,6 +1,8 @@
 package relay
 
 import (
+	"maps"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -151,11 +153,7 @@ func (r *resolvedCounters[K]) forget(match func(K) bool) []K {
 func (r *resolvedCounters[K]) keys() []K {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	out := make([]K, 0, len(r.m))
-	for k := range r.m {
-		out = append(out, k)
-	}
-	return out
+	return slices.Collect(maps.Keys(r.m))
 }
 
 // requestCounter returns the requests counter of agent and status.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"slices"
 	"sync"
 	"time"
 
@@ -434,11 +435,7 @@ func (x *indexService) forget(agent string) {
 func (x *indexService) names() []string {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	out := make([]string, 0, len(x.traffic))
-	for a := range x.traffic {
-		out = append(out, a)
-	}
-	return out
+	return slices.Collect(maps.Keys(x.traffic))
 }
 
 // sweep forgets cut-offs that ended.
