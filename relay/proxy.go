@@ -279,7 +279,7 @@ func (r *Relay) finish(p *proxied, c scheduler.Choice, n int, res *attemptResult
 func (r *Relay) pickError(err error, model string, f *failureTally) error {
 	var ue *scheduler.UnavailableError
 	switch {
-	case errors.Is(err, scheduler.ErrUnknownModel) && f.n == 0 && r.reg.routable() == 0:
+	case errors.Is(err, scheduler.ErrUnknownModel) && f.n == 0 && !r.reg.serving():
 		// No agent at all, as right after a relay restart while agents
 		// rejoin: the model may well exist, so say "unavailable, retry"
 		// rather than "no such model".

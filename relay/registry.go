@@ -395,6 +395,20 @@ func (g *Registry) routable() int {
 	return n
 }
 
+// serving reports whether a joined agent that is neither dead nor draining
+// lists a model, suspect or not: when none does, as while agents rejoin a
+// restarted relay, a model the scheduler does not know may yet come.
+func (g *Registry) serving() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, e := range g.byName {
+		if !e.dead && !e.info.Draining && !e.health.Draining && len(e.info.Models) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
 // The registry is the one writer of agent state to the scheduler: every
 // source of news about an agent (its join and updates, gossip, the request
 // path's liveness checks, the operator) changes the agent's entry, and the
