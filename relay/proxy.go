@@ -48,7 +48,8 @@ var _ route = (*scheduler.Attempt)(nil)
 
 // proxied is one client request on its way to an endpoint: what prepare
 // read from it, once, what every attempt uses, and what its log line and
-// metrics report (one allocation for all of it).
+// metrics report. It lives on serveProxied's stack: nothing that escapes
+// may keep a reference to it (see exchange).
 type proxied struct {
 	w       http.ResponseWriter // the client's writer (wrapped for the Responses API)
 	req     *http.Request
