@@ -265,15 +265,18 @@ func (a *accumulator) addBase(client string, base Spent) {
 
 // spentOf returns client's spending as seen at now.
 func (a *accumulator) spentOf(client string, now time.Time) Spent {
+	return a.spentRaw(client).In(now)
+}
+
+// spentRaw returns client's spending in its latest day and month.
+func (a *accumulator) spentRaw(client string) Spent {
 	sh := a.shardOf(client)
 	sh.mu.Lock()
-	s := sh.spent[client]
-	var out Spent
-	if s != nil {
-		out = *s
+	defer sh.mu.Unlock()
+	if s := sh.spent[client]; s != nil {
+		return *s
 	}
-	sh.mu.Unlock()
-	return out.In(now)
+	return Spent{}
 }
 
 // ClientSpent is one client's spending, as relays tell each other.

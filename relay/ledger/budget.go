@@ -41,8 +41,10 @@ type Spent struct {
 
 // In returns s as seen at now: counts of another day or month than now's
 // count for nothing (a peer's report from yesterday does not spend today).
-func (s Spent) In(now time.Time) Spent {
-	d, m := dayOf(now), monthOf(now)
+func (s Spent) In(now time.Time) Spent { return s.in(dayOf(now), monthOf(now)) }
+
+// in is In for day d of month m.
+func (s Spent) in(d int64, m int32) Spent {
 	out := Spent{Day: d, Month: m}
 	if s.Day == d {
 		out.DayTokens = s.DayTokens
@@ -55,7 +57,11 @@ func (s Spent) In(now time.Time) Spent {
 
 // Plus returns the sum of s and o, both seen at now.
 func (s Spent) Plus(o Spent, now time.Time) Spent {
-	s, o = s.In(now), o.In(now)
+	return s.plus(o, dayOf(now), monthOf(now))
+}
+
+func (s Spent) plus(o Spent, d int64, m int32) Spent {
+	s, o = s.in(d, m), o.in(d, m)
 	s.DayTokens += o.DayTokens
 	s.MonthTokens += o.MonthTokens
 	s.MonthCost += o.MonthCost
@@ -147,7 +153,11 @@ const unavailableRetry = time.Minute
 // flight when it is reached. Used counts of another day or month than
 // now's count for nothing.
 func Check(b Budget, used Spent, now time.Time) Verdict {
-	used = used.In(now)
+	return check(b, used.In(now))
+}
+
+// check is Check for used already seen at now.
+func check(b Budget, used Spent) Verdict {
 	var v Verdict
 	over := func(l Limit, u, m float64, reset time.Time) {
 		if !v.Over || reset.After(v.Reset) {

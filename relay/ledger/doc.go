@@ -18,8 +18,9 @@
 // A flush takes the pending deltas out of the accumulator before it
 // commits them, and numbers them: the store records the number of the last
 // batch it applied in the same transaction. A process that dies before the
-// commit is durable loses that batch (at most one flush interval of
-// counts); one that dies after it has nothing left to apply again. A
+// commit is durable loses that batch: the counts of one flush interval plus
+// the commit in flight. One that dies after it has nothing left to apply
+// again: nothing of a batch outlives the process but the commit itself. A
 // commit that fails is retried with the same number after the file is
 // opened afresh, so a commit that reached the disk but reported an error is
 // not applied twice. A restart continues the totals.

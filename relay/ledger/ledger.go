@@ -299,15 +299,16 @@ func (l *Ledger) Check(client string, b Budget, now time.Time) Verdict {
 	if l.cfg.FailClosed && !l.ok.Load() {
 		return Verdict{Over: true, Limit: LimitUnavailable, Reset: now.Add(unavailableRetry)}
 	}
-	used := l.Spent(client, now)
+	d, m := dayOf(now), monthOf(now)
+	used := l.acc.spentRaw(client).in(d, m)
 	l.peersMu.RLock()
 	for _, p := range l.peers {
 		if s, ok := p[client]; ok {
-			used = used.Plus(s, now)
+			used = used.plus(s, d, m)
 		}
 	}
 	l.peersMu.RUnlock()
-	return Check(b, used, now)
+	return check(b, used)
 }
 
 // Health returns the ledger's state.
