@@ -151,7 +151,7 @@ type Ledger struct {
 	seq       uint64  // the last batch number used (viewMu)
 	carry     *batch  // a batch whose commit failed, to retry first (viewMu)
 	buf       []Delta // reused between flushes (viewMu)
-	prunedAt  int64   // the hour of the last prune (viewMu)
+	sealedAt  int64   // the hour of the last seal and prune (viewMu)
 	healthMu  sync.Mutex
 	health    Health // guarded by healthMu
 	peersMu   sync.RWMutex
@@ -324,7 +324,7 @@ func (l *Ledger) Health() Health {
 }
 
 // Flush writes the pending counts now, as the flusher does every
-// FlushInterval, and prunes old rows once an hour.
+// FlushInterval, and seals and prunes old rows once an hour.
 func (l *Ledger) Flush() error {
 	l.viewMu.Lock()
 	defer l.viewMu.Unlock()
@@ -332,10 +332,15 @@ func (l *Ledger) Flush() error {
 	cur := hourOf(now)
 	l.acc.curHour.Store(cur)
 	err := l.flush(now, cur)
-	if err == nil && l.prunedAt != cur {
-		err = l.store.Prune(cur-int64(l.cfg.HourlyRetention/time.Hour), dayOf(now)-int64(l.cfg.DailyRetention/(24*time.Hour)))
+	if err == nil && l.sealedAt != cur {
+		// Once an hour: pack the hours (and days) gone by, and drop the
+		// rows past their retention.
+		err = l.store.Seal(cur)
 		if err == nil {
-			l.prunedAt = cur
+			err = l.store.Prune(cur-int64(l.cfg.HourlyRetention/time.Hour), dayOf(now)-int64(l.cfg.DailyRetention/(24*time.Hour)))
+		}
+		if err == nil {
+			l.sealedAt = cur
 		}
 	}
 	l.report(now, err)

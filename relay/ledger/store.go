@@ -1,6 +1,7 @@
 package ledger
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -44,6 +45,11 @@ type Store interface {
 	Apply(seq uint64, deltas []Delta) (applied bool, err error)
 	// Scan calls fn with every row at res whose period is in [from, to).
 	Scan(res Resolution, from, to int64, fn func(Row)) error
+	// Seal packs the hourly rows of hours before hour, and the daily rows
+	// of days before its day, for keeping: later Applies to them still
+	// count. A store may keep open rows in a form cheap to update and
+	// sealed rows in one cheap to keep.
+	Seal(hour int64) error
 	// Prune deletes hourly rows before hour and daily rows before day.
 	Prune(hour, day int64) error
 	// Close releases the store.
@@ -52,26 +58,31 @@ type Store interface {
 
 // Bucket names and meta keys of the bbolt file.
 var (
-	bucketMeta   = []byte("meta")
-	bucketNames  = []byte("names") // name -> uvarint id
-	bucketIDs    = []byte("ids")   // 4-byte id -> name
-	bucketHourly = []byte("hourly")
-	bucketDaily  = []byte("daily")
-	keySeq       = []byte("seq")
-	keyVersion   = []byte("version")
+	bucketMeta       = []byte("meta")
+	bucketIDs        = []byte("ids")         // 4-byte id -> name
+	bucketHourly     = []byte("hourly")      // sealed hours, packed
+	bucketDaily      = []byte("daily")       // sealed days, packed
+	bucketHourlyOpen = []byte("hourly-open") // the hours Apply updates
+	bucketDailyOpen  = []byte("daily-open")  // the days Apply updates
+	keySeq           = []byte("seq")
+	keyVersion       = []byte("version")
 )
 
 // fileVersion is the layout of the file; Open refuses another.
 const fileVersion = 1
 
-// fillPercent fills pages nearly full: rows are appended in period order,
-// so a split page is not written to again.
-const fillPercent = 0.95
+// sealedFill fills sealed pages full: Seal appends whole periods in key
+// order after every older one, so a sealed page is not split again. (Open
+// rows are inserted in no order, so their buckets keep bbolt's half-full
+// pages; they hold a day at most.)
+const sealedFill = 1.0
 
 // BoltStore is the Store in one bbolt file. Row keys are the period (4
 // bytes, big-endian), the kind, and the name's and the model's ids
 // (uvarints) from a dictionary kept in the same file; values are the
-// counts as uvarints (serving time in microseconds). After any failed
+// counts as uvarints (serving time in microseconds). Apply updates rows in
+// open buckets; Seal moves closed periods into packed buckets in key
+// order, so a month of hours costs about the rows' own size on disk. After any failed
 // operation it closes the file and opens it afresh on the next call, so
 // what a failed commit left is read from the disk, not assumed.
 type BoltStore struct {
@@ -133,7 +144,7 @@ func (s *BoltStore) open() (err error) {
 	ids := map[string]uint32{}
 	var names []string
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketMeta, bucketNames, bucketIDs, bucketHourly, bucketDaily} {
+		for _, b := range [][]byte{bucketMeta, bucketIDs, bucketHourly, bucketDaily, bucketHourlyOpen, bucketDailyOpen} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -253,8 +264,7 @@ func (s *BoltStore) Apply(seq uint64, deltas []Delta) (applied bool, err error) 
 			if readSeq(tx) >= seq {
 				return nil
 			}
-			hourly, daily := tx.Bucket(bucketHourly), tx.Bucket(bucketDaily)
-			hourly.FillPercent, daily.FillPercent = fillPercent, fillPercent
+			hourly, daily := tx.Bucket(bucketHourlyOpen), tx.Bucket(bucketDailyOpen)
 			// bbolt keeps the key and value slices of a Put until the
 			// commit: each Put gets its own.
 			for i := range deltas {
@@ -274,16 +284,7 @@ func (s *BoltStore) Apply(seq uint64, deltas []Delta) (applied bool, err error) 
 					b      *bolt.Bucket
 					period int64
 				}{{hourly, d.Hour}, {daily, floorDiv(d.Hour, hoursPerDay)}} {
-					k := rowKey(make([]byte, 0, 16), r.period, d.Kind, nid, mid)
-					c := d.Counts
-					if old := r.b.Get(k); old != nil {
-						prev, err := decodeCounts(old)
-						if err != nil {
-							return fmt.Errorf("row %x: %w", k, err)
-						}
-						c.Add(prev)
-					}
-					if err := r.b.Put(k, encodeCounts(make([]byte, 0, 32), c)); err != nil {
+					if err := addRow(r.b, rowKey(make([]byte, 0, 16), r.period, d.Kind, nid, mid), d.Counts); err != nil {
 						return err
 					}
 				}
@@ -309,6 +310,61 @@ func (s *BoltStore) Apply(seq uint64, deltas []Delta) (applied bool, err error) 
 	return applied, err
 }
 
+// addRow adds c to row k of b. bbolt keeps the key and value slices of a
+// Put until the commit: k must be the caller's own.
+func addRow(b *bolt.Bucket, k []byte, c Counts) error {
+	if old := b.Get(k); old != nil {
+		prev, err := decodeCounts(old)
+		if err != nil {
+			return fmt.Errorf("row %x: %w", k, err)
+		}
+		c.Add(prev)
+	}
+	return b.Put(k, encodeCounts(make([]byte, 0, 32), c))
+}
+
+// Seal implements Store.
+func (s *BoltStore) Seal(hour int64) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	err := s.guard(func() error {
+		return s.db.Update(func(tx *bolt.Tx) error {
+			for _, p := range []struct {
+				open, sealed []byte
+				before       int64
+			}{{bucketHourlyOpen, bucketHourly, hour}, {bucketDailyOpen, bucketDaily, floorDiv(hour, hoursPerDay)}} {
+				open, sealed := tx.Bucket(p.open), tx.Bucket(p.sealed)
+				sealed.FillPercent = sealedFill
+				var end [4]byte
+				binary.BigEndian.PutUint32(end[:], uint32(min(max(p.before, 0), 1<<32-1)))
+				var keys [][]byte
+				c := open.Cursor()
+				for k, v := c.First(); k != nil && bytes.Compare(k[:min(4, len(k))], end[:]) < 0; k, v = c.Next() {
+					cv, err := decodeCounts(v)
+					if err != nil {
+						return fmt.Errorf("row %x: %w", k, err)
+					}
+					k = bytes.Clone(k)
+					if err := addRow(sealed, k, cv); err != nil {
+						return err
+					}
+					keys = append(keys, k)
+				}
+				for _, k := range keys {
+					if err := open.Delete(k); err != nil {
+						return err
+					}
+				}
+			}
+			return nil
+		})
+	})
+	if err != nil {
+		return fmt.Errorf("ledger file %s: seal: %w", s.path, err)
+	}
+	return nil
+}
+
 // Scan implements Store.
 func (s *BoltStore) Scan(res Resolution, from, to int64, fn func(Row)) error {
 	s.mu.Lock()
@@ -324,9 +380,9 @@ func (s *BoltStore) Scan(res Resolution, from, to int64, fn func(Row)) error {
 	if s.db == nil {
 		return fmt.Errorf("ledger file %s: closed", s.path)
 	}
-	bucket := bucketHourly
+	buckets := [][]byte{bucketHourly, bucketHourlyOpen}
 	if res == Daily {
-		bucket = bucketDaily
+		buckets = [][]byte{bucketDaily, bucketDailyOpen}
 	}
 	from, to = max(from, 0), min(to, 1<<32)
 	if from >= to {
@@ -340,19 +396,21 @@ func (s *BoltStore) Scan(res Resolution, from, to int64, fn func(Row)) error {
 			}
 		}()
 		err = s.db.View(func(tx *bolt.Tx) error {
-			c := tx.Bucket(bucket).Cursor()
-			var start [4]byte
-			binary.BigEndian.PutUint32(start[:], uint32(from))
-			for k, v := c.Seek(start[:]); k != nil; k, v = c.Next() {
-				r, err := s.decodeRow(k, v)
-				if err != nil {
-					return err
+			for _, b := range buckets {
+				c := tx.Bucket(b).Cursor()
+				var start [4]byte
+				binary.BigEndian.PutUint32(start[:], uint32(from))
+				for k, v := c.Seek(start[:]); k != nil; k, v = c.Next() {
+					r, err := s.decodeRow(k, v)
+					if err != nil {
+						return err
+					}
+					if r.Period >= to {
+						break
+					}
+					r.Res = res
+					fn(r)
 				}
-				if r.Period >= to {
-					break
-				}
-				r.Res = res
-				fn(r)
 			}
 			return nil
 		})
@@ -369,7 +427,7 @@ func (s *BoltStore) Prune(hour, day int64) error {
 	for _, p := range []struct {
 		bucket []byte
 		before int64
-	}{{bucketHourly, hour}, {bucketDaily, day}} {
+	}{{bucketHourly, hour}, {bucketHourlyOpen, hour}, {bucketDaily, day}, {bucketDailyOpen, day}} {
 		if p.before <= 0 {
 			continue
 		}
