@@ -488,17 +488,26 @@ func rowKey(dst []byte, period int64, k Kind, name, model uint32) []byte {
 
 var errBadRow = errors.New("malformed row")
 
+func uvarintLen(v uint64) int {
+	var b [binary.MaxVarintLen64]byte
+	return binary.PutUvarint(b[:], v)
+}
+
 func (s *BoltStore) decodeRow(k, v []byte) (Row, error) {
 	if len(k) < 7 {
 		return Row{}, errBadRow
 	}
 	r := Row{Period: int64(binary.BigEndian.Uint32(k)), Kind: Kind(k[4])}
+	if r.Kind < KindClient || r.Kind > KindProvider {
+		return r, errBadRow
+	}
 	nid, n := binary.Uvarint(k[5:])
 	if n <= 0 {
 		return r, errBadRow
 	}
 	mid, m := binary.Uvarint(k[5+n:])
-	if m <= 0 || 5+n+m != len(k) || nid >= uint64(len(s.names)) || mid >= uint64(len(s.names)) {
+	if m <= 0 || 5+n+m != len(k) || nid >= uint64(len(s.names)) || mid >= uint64(len(s.names)) ||
+		uvarintLen(nid) != n || uvarintLen(mid) != m { // one encoding per key, or rows could hide as twins
 		return r, errBadRow
 	}
 	r.Name, r.Model = s.names[nid], s.names[mid]
@@ -515,11 +524,18 @@ func encodeCounts(dst []byte, c Counts) []byte {
 	return dst
 }
 
+// Bounds of a decoded count: past them it is damage, not use (and would
+// overflow a sum or a duration).
+const (
+	maxCount         = 1 << 60
+	maxServingMicros = 1 << 50 // 35 years
+)
+
 func decodeCounts(b []byte) (Counts, error) {
 	var f [9]int64
 	for i := range f {
 		v, n := binary.Uvarint(b)
-		if n <= 0 {
+		if n <= 0 || v > maxCount || (i == 6 && v > maxServingMicros) {
 			return Counts{}, errBadRow
 		}
 		f[i], b = int64(v), b[n:]
