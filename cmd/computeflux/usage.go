@@ -100,4 +100,3 @@ func writeUsageCSV(w io.Writer, r ledger.Report) error {
 	cw.Flush()
 	return cw.Error()
 }
-
