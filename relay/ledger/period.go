@@ -37,6 +37,3 @@ func dayTime(d int64) time.Time  { return time.Unix(d*secondsPerDay, 0).UTC() }
 func monthTime(m int32) time.Time {
 	return time.Date(int(m/12), time.Month(m%12+1), 1, 0, 0, 0, 0, time.UTC)
 }
-
-// monthOfDay returns the month number of day d.
-func monthOfDay(d int64) int32 { return monthOf(dayTime(d)) }

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+	bolterrors "go.etcd.io/bbolt/errors"
 )
 
 // Resolution is a row's period: an hour or a day.
@@ -135,7 +136,7 @@ func (s *BoltStore) open() (err error) {
 		NoSync:       s.noSync,
 	})
 	if err != nil {
-		if errors.Is(err, bolt.ErrTimeout) {
+		if errors.Is(err, bolterrors.ErrTimeout) {
 			err = errors.New("another process holds the file")
 		}
 		return fmt.Errorf("ledger file %s: %w", s.path, err)
