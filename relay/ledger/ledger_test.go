@@ -417,3 +417,30 @@ func TestConfigValidate(t *testing.T) {
 		}
 	}
 }
+
+// A flood of distinct model names from clients: every request counts, the
+// names past the cap count as Other, and memory and the file keep at most
+// the cap's names.
+func TestModelNamesBounded(t *testing.T) {
+	c := newClock("2026-03-10T12:00:00Z")
+	l := open(t, Config{Path: filepath.Join(t.TempDir(), "ledger.db"), MaxModelsPerHour: 100}, c)
+	for i := range 5000 {
+		l.Record(Entry{Time: c.Now(), Client: "mallory", Model: fmt.Sprint("model-", i), Agent: "gpu-1", PromptTokens: 1})
+		if i%1000 == 0 {
+			if err := l.Flush(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	h := l.Health()
+	if h.Folded != 2*4900 || h.PendingRows > 2*101 {
+		t.Fatalf("health %+v: want 4,900 requests folded in the client's and the agent's rows, at most 202 rows", h)
+	}
+	r := mustUsage(t, l, c.Now().Add(-time.Hour), ByModel)
+	if len(r.Rows) != 101 || r.Total.Requests != 5000 || rowOf(r, Other).Requests != 4900 {
+		t.Fatalf("%d model rows, %d requests, %d under %q", len(r.Rows), r.Total.Requests, rowOf(r, Other).Requests, Other)
+	}
+	if s := l.Spent("mallory", c.Now()); s.DayTokens != 5000 {
+		t.Fatalf("the client's spending %+v: folded requests must still count", s)
+	}
+}
