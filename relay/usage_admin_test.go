@@ -196,3 +196,26 @@ endpoints:
 		})
 	}
 }
+
+// The endpoints file's prices reach the ledger when the relay loads it.
+func TestEndpointsFilePricesReachTheLedger(t *testing.T) {
+	dir := t.TempDir()
+	ef := filepath.Join(dir, "endpoints.yaml")
+	if err := os.WriteFile(ef, []byte("endpoints:\n  - name: cloud\n    url: https://api.example.com/v1\n    models: [gpt]\n    prices: {input: 3, output: 12}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	l := openLedger(t, filepath.Join(dir, "ledger.db"))
+	r, err := New(Config{NoP2P: true, Transport: http.DefaultTransport, NoAuth: true, EndpointsFile: ef, Ledger: l})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	l.Record(ledger.Entry{Time: time.Now(), Client: "alice", Model: "gpt", Provider: "cloud", PromptTokens: 1_000_000, CompletionTokens: 1_000_000})
+	rep, err := l.Usage(time.Now().Add(-time.Hour), ledger.ByProvider)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Rows) != 1 || rep.Rows[0].Cost.Float64() != 15 {
+		t.Fatalf("rows %+v: want cloud at 3 + 12", rep.Rows)
+	}
+}
