@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -443,4 +444,62 @@ func TestModelNamesBounded(t *testing.T) {
 	if s := l.Spent("mallory", c.Now()); s.DayTokens != 5000 {
 		t.Fatalf("the client's spending %+v: folded requests must still count", s)
 	}
+}
+
+// Records, flushes and queries at once: a query counts every request
+// recorded before it began and none not yet started, never one twice or
+// none in a flush in flight; at the end the file has them all.
+func TestConcurrentRecordFlushQuery(t *testing.T) {
+	c := newClock("2026-03-10T12:00:00Z")
+	l := open(t, Config{Path: filepath.Join(t.TempDir(), "ledger.db")}, c)
+	const writers, each = 4, 3000
+	var started, done atomic.Int64
+	var wg sync.WaitGroup
+	for w := range writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range each {
+				started.Add(1)
+				l.Record(Entry{Time: c.Now(), Client: fmt.Sprint("c", w), Model: fmt.Sprint("m", i%3), Agent: "a", PromptTokens: 1})
+				done.Add(1)
+			}
+		}()
+	}
+	stop := make(chan struct{})
+	flushed := make(chan error, 1)
+	go func() {
+		var err error
+		for {
+			select {
+			case <-stop:
+				flushed <- err
+				return
+			default:
+				err = errors.Join(err, l.Flush())
+			}
+		}
+	}()
+	queries := 0
+	for done.Load() < writers*each {
+		lo := done.Load()
+		r := mustUsage(t, l, c.Now().Add(-time.Hour), ByClient)
+		hi := started.Load()
+		if r.Total.Requests < lo || r.Total.Requests > hi {
+			t.Fatalf("a query counted %d requests; %d were done before it and %d started by its end", r.Total.Requests, lo, hi)
+		}
+		queries++
+	}
+	wg.Wait()
+	close(stop)
+	if err := <-flushed; err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if r := mustUsage(t, l, c.Now().Add(-time.Hour), ByClient); r.Total.Requests != writers*each || r.Total.PromptTokens != writers*each {
+		t.Fatalf("at the end: %+v", r.Total)
+	}
+	t.Logf("%d queries while recording", queries)
 }
