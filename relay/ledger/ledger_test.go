@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -502,4 +503,44 @@ func TestConcurrentRecordFlushQuery(t *testing.T) {
 		t.Fatalf("at the end: %+v", r.Total)
 	}
 	t.Logf("%d queries while recording", queries)
+}
+
+// populate fills zero fields only: every field set by hand survives it.
+func TestConfigPopulateKeepsFields(t *testing.T) {
+	var cfg Config
+	v := reflect.ValueOf(&cfg).Elem()
+	for i := range v.NumField() {
+		f := v.Field(i)
+		switch f.Kind() {
+		case reflect.String:
+			f.SetString("x")
+		case reflect.Int, reflect.Int64:
+			f.SetInt(7)
+		case reflect.Bool:
+			f.SetBool(true)
+		case reflect.Func:
+			f.Set(reflect.ValueOf(func() time.Time { return time.Unix(7, 0) }))
+		case reflect.Interface, reflect.Struct:
+			// Store and Logger: nil and the zero logger are their defaults.
+		default:
+			t.Fatalf("field %s of kind %s: extend this test", v.Type().Field(i).Name, f.Kind())
+		}
+	}
+	got := cfg.populate()
+	gv := reflect.ValueOf(got)
+	for i := range v.NumField() {
+		name := v.Type().Field(i).Name
+		if name == "Now" {
+			if !got.Now().Equal(time.Unix(7, 0)) {
+				t.Errorf("Now replaced")
+			}
+			continue
+		}
+		if v.Field(i).Kind() != reflect.Interface && v.Field(i).Kind() != reflect.Struct && !reflect.DeepEqual(v.Field(i).Interface(), gv.Field(i).Interface()) {
+			t.Errorf("%s: set %v, populate made it %v", name, v.Field(i).Interface(), gv.Field(i).Interface())
+		}
+	}
+	if z := (Config{}).populate(); z.FlushInterval != 2*time.Second || z.HourlyRetention != 90*24*time.Hour || z.MaxModelsPerHour != 1000 || z.Now == nil {
+		t.Errorf("defaults %+v", z)
+	}
 }
