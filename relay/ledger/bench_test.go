@@ -45,9 +45,11 @@ func BenchmarkRecord(b *testing.B) {
 	defer l.Close()
 	b.ReportAllocs()
 	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		l.Record(es[i%len(es)])
-	}
+	threadCPU(b, func() {
+		for i := 0; i < b.N; i++ {
+			l.Record(es[i%len(es)])
+		}
+	})
 }
 
 // BenchmarkRecordParallel records from every P at once.
@@ -76,11 +78,13 @@ func BenchmarkCheck(b *testing.B) {
 	budget := Budget{TokensPerDay: 1e12, TokensPerMonth: 1e13, CostPerMonth: 1e6}
 	b.ReportAllocs()
 	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		if l.Check(es[i%len(es)].Client, budget, now).Over {
-			b.Fatal("over")
+	threadCPU(b, func() {
+		for i := 0; i < b.N; i++ {
+			if l.Check(es[i%len(es)].Client, budget, now).Over {
+				b.Fatal("over")
+			}
 		}
-	}
+	})
 }
 
 // Recording into existing rows allocates nothing, and neither does a
