@@ -277,6 +277,7 @@ func (r *Relay) AdminHandler() http.Handler {
 		writeJSON(w, http.StatusOK, map[string]any{"endpoints": r.Table()})
 	}))
 	mux.HandleFunc("POST /admin/v1/endpoints/{name}/{action}", r.admin(r.serveAdminAction))
+	mux.HandleFunc("GET /admin/v1/usage", r.admin(r.serveUsage))
 	mux.HandleFunc("GET /status", r.status(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/html; charset=utf-8")
 		w.Header().Set("Cache-Control", "no-store")
