@@ -202,7 +202,13 @@ type Agent struct {
 	engineOK bool
 	failures int
 	metrics  EngineMetrics
-	engine   EngineInfo // what identify found (engine.go)
+	// metricsAt is when metrics last got load figures from the engine
+	// (zero: never); metricsErr is the last failed read; loadStale is set
+	// while the figures are reported unknown for their age (load.go).
+	metricsAt  time.Time
+	metricsErr error
+	loadStale  bool
+	engine     EngineInfo // what identify found (engine.go)
 	// identified is set once the engine was identified since it last
 	// became available. unsettled counts the identifications in a row
 	// that an engine not ready was cut short (a probe got no answer, or a
@@ -283,8 +289,9 @@ func (a *Agent) ID() peer.ID { return a.id }
 // InFlight returns the number of requests being served.
 func (a *Agent) InFlight() int { return int(a.inflight.Load()) }
 
-// Metrics returns the engine's load as last read from its /metrics, and
-// whether any was read.
+// Metrics returns the engine's load as last read from its /metrics (zero
+// when none was), however old: gossip carries it only while it is fresh
+// (see load.go).
 func (a *Agent) Metrics() EngineMetrics {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -666,11 +673,18 @@ func (a *Agent) refresh(ctx context.Context) {
 		a.engineOK = true
 		a.models = models
 	}
-	if metErr == nil && err == nil {
-		a.metrics = met
+	var load loadChange
+	switch {
+	case err != nil:
+		load = a.noteLoadLocked(time.Now(), nil, errEngineDown)
+	case metErr != nil:
+		load = a.noteLoadLocked(time.Now(), nil, metErr)
+	default:
+		load = a.noteLoadLocked(time.Now(), &met, nil)
 	}
 	nowOK, after := a.engineOK, a.models
 	a.mu.Unlock()
+	a.logLoadChange(load)
 
 	if err != nil && ctx.Err() == nil {
 		a.log.Warn().Err(err).Msg("engine model discovery failed")

@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -116,6 +117,8 @@ type engine struct {
 	auth     []string
 	release  chan struct{} // the streaming handler waits on it between events
 	canceled chan struct{} // closed when a streaming request's context ends early
+	// metricsBroken makes /metrics answer 500, as a broken exporter does.
+	metricsBroken atomic.Bool
 }
 
 func newEngine(t *testing.T) *engine {
@@ -135,6 +138,10 @@ func newEngine(t *testing.T) *engine {
 			}
 			fmt.Fprintf(w, `{"object":"list","data":[%s]}`, strings.Join(data, ","))
 		case "/metrics":
+			if e.metricsBroken.Load() {
+				http.Error(w, "exporter broken", http.StatusInternalServerError)
+				return
+			}
 			fmt.Fprint(w, "vllm:num_requests_running{model_name=\"x\"} 3\nvllm:num_requests_waiting{model_name=\"x\"} 2\nvllm:kv_cache_usage_perc{model_name=\"x\"} 0.25\n")
 		case "/v1/chat/completions":
 			body, _ := io.ReadAll(r.Body)

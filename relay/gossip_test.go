@@ -55,6 +55,7 @@ type gEngine struct {
 	name                      string
 	srv                       *httptest.Server
 	running, waiting, kvMilli atomic.Int64
+	metricsBroken             atomic.Bool // /metrics answers 500
 }
 
 func newGEngine(t testing.TB, name string) *gEngine {
@@ -65,6 +66,10 @@ func newGEngine(t testing.TB, name string) *gEngine {
 			w.Header().Set("Content-Type", "application/json")
 			fmt.Fprint(w, `{"object":"list","data":[{"id":"m1","object":"model"}]}`)
 		case "/metrics":
+			if e.metricsBroken.Load() {
+				http.Error(w, "exporter broken", http.StatusInternalServerError)
+				return
+			}
 			fmt.Fprintf(w, "vllm:num_requests_running{model_name=\"m1\"} %d\nvllm:num_requests_waiting{model_name=\"m1\"} %d\nvllm:kv_cache_usage_perc{model_name=\"m1\"} %g\n",
 				e.running.Load(), e.waiting.Load(), float64(e.kvMilli.Load())/1000)
 		case "/v1/chat/completions":
@@ -453,5 +458,45 @@ func TestGossipDrivesRouting(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+	gr.stop()
+}
+
+// TestStaleEngineLoadIsUnknownAtTheRelay: an engine whose /metrics breaks
+// after saying it is saturated (a queue, a full KV cache) is not taken as
+// saturated for ever: the agent (package agent, gossip over QUIC) reports
+// its load unknown a few scrape intervals later, and the relay's scheduler
+// drops the old figures, going by in-flight counts alone; once /metrics
+// answers again, its figures are back.
+func TestStaleEngineLoadIsUnknownAtTheRelay(t *testing.T) {
+	defer gWaitMemberlistStopped(t)
+	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
+	e := newGEngine(t, "agent-0")
+	e.waiting.Store(7)
+	e.kvMilli.Store(990)
+	ga := startGAgent(t, gr, "agent-0", e, filepath.Join(t.TempDir(), "a.key"), gFastTune, transport.GossipPresetLocal)
+	health := func() scheduler.Health {
+		for _, s := range gr.r.Scheduler().Snapshot() {
+			if s.ID == "agent-0" {
+				return s.Health
+			}
+		}
+		return scheduler.Health{}
+	}
+	gPoll(t, 30*time.Second, "the engine's load in the relay's scheduler", func() bool {
+		h := health()
+		return h.Waiting == 7 && h.KVCacheUsage > 0.98
+	})
+	e.metricsBroken.Store(true)
+	took := gPoll(t, 30*time.Second, "the stale load to be dropped at the relay", func() bool {
+		h := health()
+		return h.Waiting == 0 && h.KVCacheUsage == 0
+	})
+	t.Logf("stale load dropped at the relay %v after /metrics broke (scrape every 100 ms, stale after 3)", took)
+	e.metricsBroken.Store(false)
+	gPoll(t, 30*time.Second, "the engine's load back in the relay's scheduler", func() bool {
+		h := health()
+		return h.Waiting == 7 && h.KVCacheUsage > 0.98
+	})
+	ga.stop()
 	gr.stop()
 }
