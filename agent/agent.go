@@ -350,7 +350,8 @@ func (a *Agent) notify() {
 // (reconnecting forever with capped, jittered exponential backoff) and serves
 // the relay's requests until ctx ends. It then drains: reports itself
 // draining, waits for in-flight requests up to DrainTimeout, leaves the relay
-// and closes the host. It returns nil after a stop by ctx.
+// and closes the host. It returns nil after a stop by ctx, and an error
+// wrapping the cause when its stream server stopped serving on its own.
 func (a *Agent) Run(ctx context.Context) error {
 	// NAT traversal: a reservation at our relay, so that other agents reach
 	// us through its circuit, and hole punching towards them.
@@ -395,6 +396,18 @@ func (a *Agent) Run(ctx context.Context) error {
 		return fmt.Errorf("agent: %w", err)
 	}
 	defer srv.Close()
+	// A stream server that stops on its own serves nothing more: the agent
+	// says so and stops, so that its supervisor starts it again.
+	ctx, stopRun := context.WithCancelCause(ctx)
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		a.watchServer(ctx, srv, stopRun)
+	}()
+	defer func() {
+		stopRun(nil)
+		<-watched
+	}()
 
 	bg, stopBg := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -419,7 +432,36 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 
 	a.drain(a.runRelays(ctx, h))
+	if err := context.Cause(ctx); errors.Is(err, errServerStopped) {
+		return err
+	}
 	return nil
+}
+
+// errServerStopped is the cause of an agent's stop when its stream server
+// stopped serving on its own.
+var errServerStopped = errors.New("agent: stream server stopped serving")
+
+// servingServer is what watchServer watches: transport.HTTPServer.
+type servingServer interface {
+	Done() <-chan struct{}
+	Err() error
+}
+
+// watchServer waits until ctx ends or srv stops serving on its own; then it
+// logs why and stops the agent's run (stop) with errServerStopped.
+func (a *Agent) watchServer(ctx context.Context, srv servingServer, stop context.CancelCauseFunc) {
+	select {
+	case <-ctx.Done():
+		return
+	case <-srv.Done():
+	}
+	err := srv.Err()
+	if err == nil {
+		return // closed by Run
+	}
+	a.log.Error().Err(err).Msg("stream server stopped serving: no request reaches the engine any more; stopping")
+	stop(fmt.Errorf("%w: %w", errServerStopped, err))
 }
 
 // stayJoined keeps a registration with relay l until ctx ends and returns

@@ -3,6 +3,7 @@ package agent
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -20,6 +21,7 @@ import (
 	"github.com/computeflux/computeflux/transport"
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/rs/zerolog"
 	"go.uber.org/goleak"
 )
 
@@ -537,5 +539,50 @@ func TestAgentPassesEngineTrailers(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK || string(b) != `{"object":"list","data":[]}` || resp.Trailer.Get("X-Engine-Check") != "sum" {
 		t.Fatalf("%d %q, trailer %v", resp.StatusCode, b, resp.Trailer)
+	}
+}
+
+// failedServer is a stream server that stopped serving on its own.
+type failedServer struct{ done chan struct{} }
+
+func (s failedServer) Done() <-chan struct{} { return s.done }
+func (s failedServer) Err() error            { return errors.New("accept: listener gone") }
+
+// A stream server that stops serving on its own is logged, with its
+// error, and stops the agent's run with that cause; one closed by Run is
+// not an error.
+func TestStreamServerFailureIsLoggedAndStopsTheAgent(t *testing.T) {
+	var logs syncLog
+	a := &Agent{log: zerolog.New(&logs)}
+	srv := failedServer{done: make(chan struct{})}
+	close(srv.done)
+	ctx, stop := context.WithCancelCause(context.Background())
+	defer stop(nil)
+	a.watchServer(ctx, srv, stop)
+	if err := context.Cause(ctx); !errors.Is(err, errServerStopped) || !strings.Contains(err.Error(), "listener gone") {
+		t.Fatalf("run's cause %v, want the stream server's failure", err)
+	}
+	if !strings.Contains(logs.String(), `"level":"error"`) || !strings.Contains(logs.String(), "listener gone") {
+		t.Fatalf("log %q, want an error line with the cause", logs.String())
+	}
+
+	// Stopped by Close: Done closed, no error, nothing logged.
+	var quiet syncLog
+	b := &Agent{log: zerolog.New(&quiet)}
+	h, err := transport.NewHost(transport.HostConfig{ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	hs, err := transport.ServeHTTP(h, http.NotFoundHandler(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs.Close()
+	ctx2, stop2 := context.WithCancelCause(context.Background())
+	defer stop2(nil)
+	b.watchServer(ctx2, hs, stop2)
+	if ctx2.Err() != nil || quiet.String() != "" {
+		t.Fatalf("after Close: cause %v, log %q", context.Cause(ctx2), quiet.String())
 	}
 }
