@@ -673,8 +673,8 @@ func (a *Agent) refresh(ctx context.Context) {
 			a.log.Warn().Str("upstream", a.upstream.Redacted()).
 				Msg("engine not identified yet (no answer, or 502, 503 or 504, as while it loads its model): serving its OpenAI endpoints meanwhile; asking again")
 		case eng.Kind == EngineUnknown:
-			a.log.Warn().Str("upstream", a.upstream.Redacted()).
-				Msg("engine not recognised (not vLLM, SGLang, TGI, llama.cpp or Ollama): serving its OpenAI endpoints with models only, no load figures")
+			a.log.Warn().Str("upstream", a.upstream.Redacted()).Strs("apis", eng.APIs).
+				Msg("engine not recognised (not vLLM, SGLang, TGI, llama.cpp or Ollama): serving its OpenAI endpoints and the optional APIs it answered for, no load figures")
 		default:
 			a.log.Info().Str("engine", string(eng.Kind)).Str("version", eng.Version).
 				Int("kv_capacity_tokens", eng.KVCapacityTokens).Strs("apis", eng.APIs).Str("evidence", eng.Evidence).
