@@ -1,7 +1,6 @@
 package relay_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -9,7 +8,6 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -87,16 +85,21 @@ func newGEngine(t testing.TB, name string) *gEngine {
 // gRelay is a relay with gossip serving HTTP on loopback.
 // startGRelay starts a relay that takes part in gossip with the given
 // preset and tuning.
-func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string) *itRelay {
+// Each of edits changes the relay's configuration before it starts.
+func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string, edits ...func(*relay.Config)) *itRelay {
 	t.Helper()
-	return serveRelay(t, relay.Config{
+	cfg := relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
 		Token:     []byte(gToken),
 		NoAuth:    true,
 		Policy:    scheduler.PolicyRoundRobin,
 		Logger:    gTestLogger(t, "relay"),
 		Gossip:    relay.GossipConfig{Preset: preset, Tune: tune, LeaveTimeout: time.Second},
-	})
+	}
+	for _, edit := range edits {
+		edit(&cfg)
+	}
+	return serveRelay(t, cfg)
 }
 
 // gAgent is a package agent Agent in front of a gEngine.
@@ -187,25 +190,6 @@ func gPoll(t testing.TB, limit time.Duration, what string, cond func() bool) tim
 	return time.Since(start)
 }
 
-// gWaitMemberlistStopped polls until no memberlist goroutine is left (its
-// Shutdown does not wait for a probe in progress), so goleak stays quiet.
-func gWaitMemberlistStopped(t testing.TB) {
-	t.Helper()
-	buf := make([]byte, 4<<20)
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		n := runtime.Stack(buf, true)
-		if !bytes.Contains(buf[:n], []byte("hashicorp/memberlist.(*Memberlist)")) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Errorf("memberlist goroutines still running 30 s after shutdown")
-			return
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // relayAgentMembers returns the agent names the relay's gossip lists alive
 // (not suspect) with decoded metadata.
 func relayAgentMembers(gr *itRelay) []string {
@@ -278,7 +262,7 @@ func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset st
 // TestGossipDrivesRouting runs a relay and 5 agents and walks through the
 // membership life cycle as the relay's routing table sees it.
 func TestGossipDrivesRouting(t *testing.T) {
-	defer gWaitMemberlistStopped(t)
+	t.Parallel() // waits on gossip timers, in its own relay and agents
 	gr, agents, took := startGCluster(t, 5, gFastTune, transport.GossipPresetLocal)
 	t.Logf("5 agents alive with metadata at the relay %v after the first start", took)
 	want := []string{"agent-0", "agent-1", "agent-2", "agent-3", "agent-4"}
@@ -468,7 +452,7 @@ func TestGossipDrivesRouting(t *testing.T) {
 // drops the old figures, going by in-flight counts alone; once /metrics
 // answers again, its figures are back.
 func TestStaleEngineLoadIsUnknownAtTheRelay(t *testing.T) {
-	defer gWaitMemberlistStopped(t)
+	t.Parallel() // waits on gossip timers, in its own relay and agent
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
 	e := newGEngine(t, "agent-0")
 	e.waiting.Store(7)
