@@ -57,9 +57,10 @@ func PeerFromContext(ctx context.Context) (peer.ID, bool) {
 // ServeHTTP serves handler on InferProtocol streams of h. Streams from peers
 // for which allow returns false are reset and counted (see
 // HTTPServer.Rejected); a nil allow admits nobody. The returned server's
-// Close stops serving, closes open streams and waits for the handlers to return, so handlers must honor their request's context.
-// Done and Err tell when serving stopped on its own (accepting streams
-// failed): the caller must watch them, as nothing is served after that.
+// Close stops serving, closes open streams and waits for the handlers to
+// return, so handlers must honor their request's context. Done and Err
+// tell when serving stopped on its own (accepting streams failed): the
+// caller must watch them, as nothing is served after that.
 //
 // A request's body is read whole (up to MaxRequestBody) before handler runs.
 // net/http watches a connection for its peer going away only once the body has
