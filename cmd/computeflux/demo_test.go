@@ -88,25 +88,32 @@ func TestDemo(t *testing.T) {
 	if !tried || !table || !verdict {
 		t.Fatalf("the demo printed no usable curl line (%v), no summary (%v) or no verdict (%v)", tried, table, verdict)
 	}
-	// Sticky keeps each conversation on the engine that holds it: its later
-	// turns (two of three, 2/3 of the prompt tokens) are cached but their
-	// newest message; a loaded machine may cost one of them. Round-robin may
-	// be lucky, never better.
-	if len(hits) != 2 || hits["sticky"] < 50 || hits["sticky"] < hits["round-robin"] {
-		t.Errorf("cache hits: %v", hits)
-	}
 	if failed["sticky"] != 0 || failed["round-robin"] != 0 {
 		t.Errorf("failed turns: %v", failed)
 	}
-	// Side by side on the same machine: sticky's median turn finds its
-	// conversation cached (0.2 to 0.7 s of model time), round-robin's
-	// prefills it again (about 4.5 s): 6.3x, 18.8x and 8.3x in three runs.
-	// With 3 engines and 2 conversations round-robin cannot be lucky (with
-	// 2 and 2 it sends each conversation to the same engine every turn).
-	if ratio < minDemoRatio {
-		t.Errorf("sticky's median time to first token %.1fx lower than round-robin's, want at least %.0fx", ratio, minDemoRatio)
+	// Sticky keeps each conversation on the engine that holds it: its later
+	// turns (two of three, 2/3 of the prompt tokens) are cached but their
+	// newest message, 66.4% of all prompt tokens. With 3 engines and 2
+	// conversations round-robin sends every later turn to an engine that
+	// holds only the shared system prompt: 1.0% (with 2 and 2 it would send
+	// each conversation to the same engine every turn, and tie). Counted,
+	// not timed: the verdict's time-to-first-token ratio (6.3x to 18.8x
+	// here, 1.2x on a machine starved by other work) is a speed figure,
+	// for the demo to print, not for a test to bound.
+	if len(hits) != 2 || hits["sticky"] < minStickyHits || hits["sticky"] < minHitRatio*hits["round-robin"] {
+		t.Errorf("cache hits %v: want sticky at least %.0f%% and %.0fx round-robin's", hits, minStickyHits, minHitRatio)
+	}
+	if ratio <= 0 {
+		t.Errorf("verdict ratio %v", ratio)
 	}
 }
+
+// TestDemo's bounds on the share of prompt tokens found cached (see there):
+// sticky's, and its ratio to round-robin's.
+const (
+	minStickyHits = 60.0
+	minHitRatio   = 3.0
+)
 
 // verdictRE reads the ratio of the demo's verdict line.
 var verdictRE = regexp.MustCompile(`^Sticky routing: median time to first token ([0-9.]+)x lower than round-robin`)
@@ -140,8 +147,3 @@ func curl(t *testing.T, url, key, session, body string) {
 		}
 	}
 }
-
-// minDemoRatio is the least ratio of round-robin's median time to first
-// token to sticky's that TestDemo accepts: half the least seen, for a
-// loaded machine (see there).
-const minDemoRatio = 3.0
