@@ -405,13 +405,7 @@ func TestDisconnectCancelsEngineOverQUIC(t *testing.T) {
 	// race-instrumented, loaded machine).
 	const medianSteps, maxSteps = 2, 10
 	ctx := context.Background()
-	cl, err := relaytest.Start(ctx, relaytest.Config{Engines: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
-	tr := &http.Transport{}
-	defer tr.CloseIdleConnections()
+	cl, tr := oneEngineCluster(t)
 	var steps []uint64
 	for i := range 5 {
 		n, err := disconnectOnce(ctx, cl, tr, i)
@@ -433,13 +427,7 @@ func TestDisconnectCancelsEngineOverQUIC(t *testing.T) {
 // request, reported as ns/cancel (ns/op is a whole request's).
 func BenchmarkDisconnectCancelOverQUIC(b *testing.B) {
 	ctx := context.Background()
-	cl, err := relaytest.Start(ctx, relaytest.Config{Engines: 1})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer cl.Close()
-	tr := &http.Transport{}
-	defer tr.CloseIdleConnections()
+	cl, tr := oneEngineCluster(b)
 	var total time.Duration
 	i := 0
 	for b.Loop() {
@@ -451,6 +439,20 @@ func BenchmarkDisconnectCancelOverQUIC(b *testing.B) {
 		i++
 	}
 	b.ReportMetric(float64(total.Nanoseconds())/float64(i), "ns/cancel")
+}
+
+// oneEngineCluster starts a cluster of one engine at real-time speed and a
+// client transport, both closed when tb ends.
+func oneEngineCluster(tb testing.TB) (*relaytest.Cluster, *http.Transport) {
+	tb.Helper()
+	cl, err := relaytest.Start(context.Background(), relaytest.Config{Engines: 1})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = cl.Close() })
+	tr := &http.Transport{}
+	tb.Cleanup(tr.CloseIdleConnections)
+	return cl, tr
 }
 
 // disconnectOnce starts a long stream, leaves it after its first event and
