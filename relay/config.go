@@ -16,6 +16,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/rs/zerolog"
 
+	"github.com/computeflux/computeflux/relay/ledger"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -167,6 +168,10 @@ type Config struct {
 	// StatusPublic serves the status page and its data without the admin
 	// key (they show no secret). The admin API still needs the key.
 	StatusPublic bool
+	// Ledger, if set, is the usage ledger the admin API's usage route
+	// reads; the caller opens and closes it. Nil means no ledger: the
+	// route answers 404.
+	Ledger *ledger.Ledger
 	// Clock measures latencies. Nil means the real clock.
 	Clock scheduler.Clock
 	// Logger receives one line per request and lifecycle events. The zero
@@ -177,6 +182,11 @@ type Config struct {
 	// buffered writer while lifecycle events go out at once. Nil means
 	// Logger.
 	RequestLogger *zerolog.Logger
+
+	// noLiveness turns the request path's liveness checks (acks and
+	// probes, liveness.go) off, so that a test sees gossip's own failure
+	// detection. Set by tests only (export_test.go).
+	noLiveness bool
 }
 
 // realClock is the wall clock.

@@ -24,6 +24,12 @@ type Request struct {
 	// without a live session mapping goes where its prefix is cached,
 	// weighed against load. The scheduler does not keep the slice.
 	Prefix []uint64
+	// Wait says the caller queues the request when the endpoints that
+	// could take it are full (see Queue): a tier whose endpoints lack only
+	// room is not passed over for the next tier, and Pick returns an
+	// *UnavailableError with Full set. Without it a full tier overflows
+	// to the next, as a failed one does.
+	Wait bool
 }
 
 // Affinity says how a pick related to the session's previous endpoint. The
@@ -89,6 +95,9 @@ type UnavailableError struct {
 	// RetryAfter is the time until the first open breaker among the
 	// candidates admits probes again; 0 when unknown.
 	RetryAfter time.Duration
+	// Full is true when a candidate lacked only a free slot: the request
+	// can wait for one.
+	Full bool
 }
 
 // Error describes the condition.
@@ -232,6 +241,27 @@ func (a *Attempt) admit(e *endpoint, now int64, checkModel bool) (ok, avoid bool
 	return true, avoid
 }
 
+// full reports whether e lacks only a free slot to take this request: it
+// is neither excluded nor draining and its breaker and keys admit it.
+func (a *Attempt) full(e *endpoint, now int64) bool {
+	limit := e.capacity
+	if e == a.mapped {
+		limit = e.affCap
+	}
+	if limit <= 0 || e.inFlight < limit || a.exclusion(e, false) != ExclusionNone || e.health.Draining {
+		return false
+	}
+	switch e.breakerState(now) {
+	case BreakerOpen:
+		return false
+	case BreakerHalfOpen:
+		if e.probes >= a.s.cfg.HalfOpenProbes {
+			return false
+		}
+	}
+	return a.keysAdmit(e, now)
+}
+
 // admitsQuick reports whether e is admitted by the fast path of the pick
 // loops, equivalent to admit(e, now, false) with avoid = e.health.Suspect
 // in the common case: no exclusions in this attempt (clean, from a.clean),
@@ -372,8 +402,11 @@ func (a *Attempt) unavailable(g *group, now int64) error {
 		if !limited {
 			err.RateLimited = false
 		}
+		if !err.Full && a.full(e, now) {
+			err.Full = true
+		}
 	}
-	if candidates == 0 {
+	if candidates == 0 || err.Full {
 		err.RateLimited = false
 	}
 	if retry > 0 {

@@ -14,7 +14,9 @@ import "slices"
 // tier with an admitted endpoint not to be avoided is used (its engine
 // saturated), else the lowest with any admitted endpoint; so a retry after a failure
 // overflows to the next tier when its own tier has nothing else, and a lone
-// failing tier can still be retried. A session mapped to an endpoint outside
+// failing tier can still be retried. A request that waits for room
+// (Request.Wait) counts an endpoint that lacks only a free slot as
+// available: it waits for its tier rather than overflowing. A session mapped to an endpoint outside
 // the chosen tier counts as a miss: when the first tier recovers, sessions
 // that overflowed come back to it.
 
@@ -68,6 +70,9 @@ func (a *Attempt) tierGroup(g *group, now int64) *group {
 	for _, t := range g.tiers {
 		for _, e := range t.eps {
 			ok, avoid := a.admit(e, now, false)
+			if !ok && a.req.Wait && a.full(e, now) {
+				ok, avoid = true, e.health.Suspect || slices.Contains(a.failed, e.id)
+			}
 			switch {
 			case !ok:
 			case avoid:

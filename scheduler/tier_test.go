@@ -301,3 +301,50 @@ func TestTierAvoidedBeforeSaturated(t *testing.T) {
 	}
 	a.Report(c, ok200)
 }
+
+// TestTierWaitForRoom: a request that waits for room (Request.Wait) is told
+// its tier is full instead of overflowing, and overflows still when its
+// tier cannot take it for any other reason.
+func TestTierWaitForRoom(t *testing.T) {
+	s, _ := newTest(t, Config{}, tierEP("home", 0, 1), tierEP("cloud", 1, 0))
+	a1 := s.Begin(Request{Model: "m", Wait: true})
+	c1 := mustPick(t, a1)
+	if c1.EndpointID != "home" {
+		t.Fatalf("first went to %s", c1.EndpointID)
+	}
+	_, err := s.Begin(Request{Model: "m", Wait: true}).Pick()
+	if ue := wantUnavailable(t, err); !ue.Full || ue.RateLimited {
+		t.Fatalf("home full: %+v, want Full", ue)
+	}
+	// Without Wait the full tier overflows, as before.
+	if c := do(t, s, Request{Model: "m"}, ok200); c.EndpointID != "cloud" {
+		t.Fatalf("without Wait: %s, want cloud", c.EndpointID)
+	}
+	// A slot frees: the waiting request gets home.
+	a1.Report(c1, ok200)
+	if c := do(t, s, Request{Model: "m", Wait: true}, ok200); c.EndpointID != "home" {
+		t.Fatalf("after the slot freed: %s, want home", c.EndpointID)
+	}
+	// Home draining: nothing to wait for, the request overflows.
+	s.SetHealth("home", Health{Draining: true})
+	if c := do(t, s, Request{Model: "m", Wait: true}, ok200); c.EndpointID != "cloud" {
+		t.Fatalf("home draining: %s, want cloud", c.EndpointID)
+	}
+	// A single full tier: Full, so the caller queues.
+	s2, _ := newTest(t, Config{}, tierEP("home", 0, 1))
+	a := s2.Begin(Request{Model: "m"})
+	c := mustPick(t, a)
+	_, err = s2.Begin(Request{Model: "m"}).Pick()
+	if ue := wantUnavailable(t, err); !ue.Full {
+		t.Fatalf("single tier full: %+v, want Full", ue)
+	}
+	a.Report(c, ok200)
+	// An open breaker is not Full: nothing frees by waiting for a slot.
+	for range 5 {
+		do(t, s2, Request{Model: "m"}, Outcome{Status: 500})
+	}
+	_, err = s2.Begin(Request{Model: "m", Wait: true}).Pick()
+	if ue := wantUnavailable(t, err); ue.Full {
+		t.Fatalf("breaker open: %+v, want not Full", ue)
+	}
+}
