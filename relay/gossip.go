@@ -185,17 +185,14 @@ func (g *Registry) gossipEvent(ev transport.GossipEvent) {
 			// the agent is back (it refuted, or the partition healed).
 			e.dead, upsert = false, true
 		}
-		if upsert {
-			g.sched.Upsert(g.endpoint(e))
-		}
-		g.sched.SetHealth(e.name, g.health(e))
+		g.publishLocked(e, upsert)
 	case transport.GossipDead, transport.GossipLeft:
 		if ev.Type == transport.GossipLeft {
 			e.health.Draining = true
 		}
 		if !e.dead {
 			e.dead = true
-			g.sched.Remove(e.name)
+			g.publishLocked(e, false)
 		}
 	}
 	name, dead := e.name, e.dead
@@ -204,7 +201,6 @@ func (g *Registry) gossipEvent(ev transport.GossipEvent) {
 	if ev.Type != transport.GossipUpdated || wasDead != dead {
 		g.log.Info().Str("agent", name).Stringer("peer", ev.Peer).Stringer("gossip", ev.Type).Bool("routable", !dead).Msg("agent membership changed")
 	}
-	g.changed()
 }
 
 // gossipModelsLocked applies a model list or capacity that changed in
@@ -282,6 +278,7 @@ func (r *Relay) startP2PAdmission(relays map[peer.ID]bool) {
 		DisconnectedF: func(n network.Network, c network.Conn) {
 			if p := c.RemotePeer(); n.Connectedness(p) != network.Connected && n.Connectedness(p) != network.Limited {
 				r.reg.disconnected(p)
+				r.forgetPeer(p)
 			}
 		},
 	}

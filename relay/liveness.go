@@ -465,24 +465,6 @@ func (g *Registry) holds(name string, p peer.ID) bool {
 	return ok && e.peer == p
 }
 
-// setUnresponsive marks agent name (registered to p) suspect because of a
-// liveness failure in the request path, or clears the mark.
-func (g *Registry) setUnresponsive(name string, p peer.ID, on bool) {
-	g.mu.Lock()
-	e, ok := g.byName[name]
-	changed := ok && e.peer == p && e.unresponsive != on
-	if changed {
-		e.unresponsive = on
-		if !e.dead {
-			g.sched.SetHealth(name, e.effectiveHealth())
-		}
-	}
-	g.mu.Unlock()
-	if changed {
-		g.changed()
-	}
-}
-
 // pingNow pings agent p once on its existing connection and reports whether
 // the echo came within d.
 func (l *liveness) pingNow(p peer.ID, d time.Duration) bool {

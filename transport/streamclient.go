@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"net/textproto"
+	"slices"
 	"sync"
 	"time"
 
@@ -38,12 +39,12 @@ type streamTransport struct {
 	// stream reset, a TCP close).
 	dial func(ctx context.Context, key string) (net.Conn, error)
 
-	mu   sync.Mutex // guards idle and nValid
-	idle map[string][]*pooledStream
-
-	valid    sync.Map // URL host -> peer.ID, hosts known to be peer IDs
-	nValid   int      // entries in valid (approximate; guarded by mu)
-	maxIdle  int      // idle streams kept per peer
+	mu       sync.Mutex // guards idle, nValid and swept
+	idle     map[string][]*pooledStream
+	swept    time.Time // when the last sweep of expired idle streams ran
+	valid    sync.Map  // URL host -> peer.ID, hosts known to be peer IDs
+	nValid   int       // entries in valid (approximate; guarded by mu)
+	maxIdle  int       // idle streams kept per peer
 	idleTime time.Duration
 }
 
@@ -69,6 +70,12 @@ const (
 
 func newStreamTransport(h host.Host) *streamTransport {
 	t := &streamTransport{idle: map[string][]*pooledStream{}, maxIdle: maxIdlePerPeer, idleTime: idleStreamTimeout}
+	// A peer's idle streams die with its connection: drop them then, so
+	// that peers that come and go (agents rejoining under new peer IDs)
+	// leave nothing behind. The notifee lives as long as the host.
+	h.Network().Notify(&network.NotifyBundle{DisconnectedF: func(_ network.Network, c network.Conn) {
+		t.dropConn(c.RemotePeer(), c)
+	}})
 	t.key = func(req *http.Request) (string, error) {
 		p, err := t.peerOf(req.URL.Hostname())
 		if err != nil {
@@ -340,17 +347,84 @@ func (t *streamTransport) get(key string) (*pooledStream, bool) {
 	return nil, false
 }
 
-// put returns a stream whose exchange ended cleanly to the idle pool.
+// put returns a stream whose exchange ended cleanly to the idle pool. Every
+// idleTime/2 it also sweeps the whole pool of expired streams, so that
+// those of a peer never asked again do not wait for that peer.
 func (t *streamTransport) put(key string, ps *pooledStream) {
-	ps.idleSince = time.Now()
+	now := time.Now()
+	ps.idleSince = now
+	var expired []*pooledStream
 	t.mu.Lock()
-	if len(t.idle[key]) >= t.maxIdle {
-		t.mu.Unlock()
-		_ = ps.s.Close()
-		return
+	if now.Sub(t.swept) >= t.idleTime/2 {
+		t.swept = now
+		expired = t.sweepLocked(now)
 	}
-	t.idle[key] = append(t.idle[key], ps)
+	full := len(t.idle[key]) >= t.maxIdle
+	if !full {
+		t.idle[key] = append(t.idle[key], ps)
+	}
 	t.mu.Unlock()
+	if full {
+		_ = ps.s.Close()
+	}
+	for _, e := range expired {
+		_ = e.s.Close()
+	}
+}
+
+// sweepLocked takes the expired idle streams out of the pool and returns
+// them (t.mu held).
+func (t *streamTransport) sweepLocked(now time.Time) []*pooledStream {
+	var out []*pooledStream
+	for key, l := range t.idle {
+		// Newest last: the expired ones are a prefix.
+		n := 0
+		for n < len(l) && now.Sub(l[n].idleSince) >= t.idleTime {
+			n++
+		}
+		if n == 0 {
+			continue
+		}
+		out = append(out, l[:n]...)
+		if n == len(l) {
+			delete(t.idle, key)
+		} else {
+			t.idle[key] = slices.Delete(l, 0, n)
+		}
+	}
+	return out
+}
+
+// dropConn drops the idle streams to peer p that ride connection c (which
+// closed), and p's cached URL host.
+func (t *streamTransport) dropConn(p peer.ID, c network.Conn) {
+	key := string(p)
+	var dead []*pooledStream
+	t.mu.Lock()
+	l := t.idle[key]
+	kept := l[:0]
+	for _, ps := range l {
+		if sc, ok := ps.s.(*streamConn); ok && sc.Conn() == c {
+			dead = append(dead, ps)
+		} else {
+			kept = append(kept, ps)
+		}
+	}
+	clear(l[len(kept):])
+	if len(kept) == 0 {
+		delete(t.idle, key)
+	} else {
+		t.idle[key] = kept
+	}
+	t.mu.Unlock()
+	if _, ok := t.valid.LoadAndDelete(p.String()); ok {
+		t.mu.Lock()
+		t.nValid--
+		t.mu.Unlock()
+	}
+	for _, ps := range dead {
+		_ = ps.s.Close()
+	}
 }
 
 // CloseIdleConnections closes (resets) the idle streams of the pool.

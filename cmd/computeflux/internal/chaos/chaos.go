@@ -13,6 +13,7 @@ package chaos
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -82,27 +83,13 @@ type Config struct {
 }
 
 func (c *Config) populate() {
-	if c.Agents == 0 {
-		c.Agents = DefaultAgents
-	}
-	if c.Workers == 0 {
-		c.Workers = DefaultWorkers
-	}
-	if c.Freeze == 0 {
-		c.Freeze = DefaultFreeze
-	}
-	if c.TimeScale == 0 {
-		c.TimeScale = DefaultTimeScale
-	}
-	if c.MaxTokens == 0 {
-		c.MaxTokens = DefaultMaxTokens
-	}
-	if c.RequestTimeout == 0 {
-		c.RequestTimeout = DefaultReqTimeout
-	}
-	if c.RestartChecks == 0 {
-		c.RestartChecks = DefaultRestartChk
-	}
+	c.Agents = cmp.Or(c.Agents, DefaultAgents)
+	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
+	c.Freeze = cmp.Or(c.Freeze, DefaultFreeze)
+	c.TimeScale = cmp.Or(c.TimeScale, DefaultTimeScale)
+	c.MaxTokens = cmp.Or(c.MaxTokens, DefaultMaxTokens)
+	c.RequestTimeout = cmp.Or(c.RequestTimeout, DefaultReqTimeout)
+	c.RestartChecks = cmp.Or(c.RestartChecks, DefaultRestartChk)
 }
 
 // Request is the fate of one request.
