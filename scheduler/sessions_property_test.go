@@ -80,7 +80,7 @@ func (m *sessionMachine) step(o *opBytes) {
 			want = en.ep
 		}
 		if got != want {
-			t.Fatalf("lookup(%s) = %v, model %+v (now %d)", k, got, en, m.now)
+			t.Fatalf("lookup(%s) = %s, model %s at %d (now %d, TTL %d)", k, epName(got), epName(en.ep), en.last, m.now, m.tb.ttl)
 		}
 	case op < 11:
 		k, e := m.key(o), m.eps[o.intn(sessionEPs)]
@@ -109,7 +109,7 @@ func (m *sessionMachine) step(o *opBytes) {
 		case full:
 			bound = append(bound, k)
 		default:
-			t.Fatalf("session %s (%+v) lost at %d", k, en, m.now)
+			t.Fatalf("session %s (%s at %d) lost at %d", k, epName(en.ep), en.last, m.now)
 		}
 		delete(m.model, k)
 	}
@@ -145,7 +145,7 @@ func (m *sessionMachine) check() {
 			continue
 		}
 		if got := tb.ents[i]; got.key != k || got.ep != en.ep || got.last != en.last {
-			t.Fatalf("session %s is %+v, model %+v", k, got, en)
+			t.Fatalf("session %s is %s at %d, model %s at %d", k, epName(got.ep), got.last, epName(en.ep), en.last)
 		}
 	}
 	if len(tb.index) != len(m.model) || tb.len() > tb.max {
@@ -206,4 +206,15 @@ func FuzzSessionTable(f *testing.F) {
 			m.step(o)
 		}
 	})
+}
+
+// epName names an endpoint in a failure message.
+func epName(e *endpoint) string {
+	switch {
+	case e == nil:
+		return "none"
+	case e.removed:
+		return e.id + " (removed)"
+	}
+	return e.id
 }
