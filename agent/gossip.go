@@ -74,6 +74,7 @@ func (a *Agent) gossipMeta() transport.NodeMeta {
 		KVCacheUsage: met.KVCacheUsage,
 		Draining:     a.draining.Load(),
 		Unavailable:  !engineOK,
+		Panics:       a.Panics(),
 	}
 }
 
@@ -254,8 +255,9 @@ func (a *Agent) metricsLoop(ctx context.Context, interval time.Duration) {
 	}
 }
 
-// gossipDraining publishes the draining flag now.
-func (a *Agent) gossipDraining() {
+// gossipNow publishes the agent's metadata now (its draining flag, its
+// panics), not at the next interval.
+func (a *Agent) gossipNow() {
 	if g := a.Gossip(); g != nil {
 		g.UpdateMeta()
 	}

@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	stdlog "log"
 	"math"
 	"net"
 	"net/http"
@@ -394,7 +393,7 @@ func (r *Relay) serveAdmin() (stop func(), err error) {
 		Handler:           r.AdminHandler(),
 		ReadHeaderTimeout: r.cfg.ReadHeaderTimeout,
 		MaxHeaderBytes:    r.cfg.MaxHeaderBytes,
-		ErrorLog:          stdlog.New(r.log.With().Str("source", "admin-http").Logger(), "", 0),
+		ErrorLog:          r.serverLog("admin-http"),
 	}
 	done := make(chan struct{})
 	go func() {
