@@ -174,26 +174,11 @@ func (m *bindMachine) check() {
 // equal to its model: Local's binding and whether to share it, Merge's
 // verdict, every lookup, live bindings most recent first, the bound, and
 // expiry (never a binding past its TTL).
-func TestBindingTableProperties(t *testing.T) {
-	checkProperty(t, 400, 500, func(t *testing.T, o *opBytes) {
-		m := newBindMachine(t, o)
-		for !o.done() {
-			m.step(o)
-		}
-	})
-}
+func TestBindingTableProperties(t *testing.T) { checkProperty(t, 400, 500, newBindMachine) }
 
+// FuzzBindingTable is TestBindingTableProperties on the fuzzer's operation sequences.
 func FuzzBindingTable(f *testing.F) {
 	f.Add([]byte{3, 0, 0, 1, 1, 3, 2, 4, 30, 40, 6, 60, 0, 2, 0, 5, 7, 1, 1, 1})
 	f.Add([]byte{0, 1, 3, 0, 0, 4, 9, 100, 2, 2, 6, 255, 1, 0, 1, 3, 5, 0, 0, 7})
-	f.Fuzz(func(t *testing.T, data []byte) {
-		if len(data) > 2048 {
-			return
-		}
-		o := &opBytes{b: data}
-		m := newBindMachine(t, o)
-		for !o.done() {
-			m.step(o)
-		}
-	})
+	fuzzMachine(f, 2048, newBindMachine)
 }

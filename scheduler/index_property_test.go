@@ -392,14 +392,7 @@ func (m *indexMachine) checkOverlaps() {
 // interned once and freed when unused, slots reused, the per-endpoint
 // bound kept (TestIndexEndpointBound), IndexStats right, and (prefix-closed) each endpoint's
 // overlap with every chain.
-func TestIndexProperties(t *testing.T) {
-	checkProperty(t, 120, 400, func(t *testing.T, o *opBytes) {
-		m := newIndexMachine(t, o)
-		for !o.done() {
-			m.step(o)
-		}
-	})
-}
+func TestIndexProperties(t *testing.T) { checkProperty(t, 120, 400, newIndexMachine) }
 
 // TestIndexEndpointBound: an endpoint that publishes more blocks than
 // MaxEndpointBlocks keeps that many, and the rest of the index is intact
@@ -414,17 +407,9 @@ func TestIndexEndpointBound(t *testing.T) {
 	m.check()
 }
 
+// FuzzIndex is TestIndexProperties on the fuzzer's operation sequences.
 func FuzzIndex(f *testing.F) {
 	f.Add([]byte{0, 0, 0, 1, 0, 5, 1, 1, 0, 2, 9, 0, 13, 2, 8, 1, 1, 14, 3, 5, 0})
 	f.Add([]byte{1, 0, 3, 5, 1, 2, 3, 4, 5, 6, 7, 1, 1, 0, 9, 2, 10, 3, 11, 0, 4, 5})
-	f.Fuzz(func(t *testing.T, data []byte) {
-		if len(data) > 1024 {
-			return
-		}
-		o := &opBytes{b: data}
-		m := newIndexMachine(t, o)
-		for !o.done() {
-			m.step(o)
-		}
-	})
+	fuzzMachine(f, 1024, newIndexMachine)
 }

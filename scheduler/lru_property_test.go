@@ -184,26 +184,11 @@ func (m *lruMachine) check(before, added, removed []uint64) {
 // within the capacity, the capacity within its bounds, each reported
 // change exactly what changed, and a relay applying the reports holding
 // what the LRU holds.
-func TestBlockLRUProperties(t *testing.T) {
-	checkProperty(t, 150, 600, func(t *testing.T, o *opBytes) {
-		m := newLRUMachine(t, o)
-		for !o.done() {
-			m.step(o)
-		}
-	})
-}
+func TestBlockLRUProperties(t *testing.T) { checkProperty(t, 150, 600, newLRUMachine) }
 
+// FuzzBlockLRU is TestBlockLRUProperties on the fuzzer's operation sequences.
 func FuzzBlockLRU(f *testing.F) {
 	f.Add([]byte{8, 0, 1, 0, 30, 0, 2, 1, 35, 4, 0, 40, 5, 3, 1, 20, 8, 6, 2})
 	f.Add([]byte{3, 0, 0, 0, 2, 1, 1, 9, 0, 0, 0, 3, 4, 0, 9, 7, 0, 0, 3})
-	f.Fuzz(func(t *testing.T, data []byte) {
-		if len(data) > 2048 {
-			return
-		}
-		o := &opBytes{b: data}
-		m := newLRUMachine(t, o)
-		for !o.done() {
-			m.step(o)
-		}
-	})
+	fuzzMachine(f, 2048, newLRUMachine)
 }

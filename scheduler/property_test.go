@@ -33,10 +33,24 @@ func (o *opBytes) next() byte {
 // intn returns the next byte modulo n (n > 0).
 func (o *opBytes) intn(n int) int { return int(o.next()) % n }
 
-// checkProperty runs run on runs random inputs of up to size bytes from a
-// fixed seed. run fails the test (t.Fatalf) on the first broken property;
-// the input is then logged, ready to be added as a fuzz seed.
-func checkProperty(t *testing.T, runs, size int, run func(t *testing.T, o *opBytes)) {
+// stepper is a property test's machine: a structure, its model and their
+// checks, driven one operation at a time.
+type stepper interface{ step(o *opBytes) }
+
+// runMachine builds a machine from o's first bytes and steps it until o
+// is used up.
+func runMachine[M stepper](t *testing.T, o *opBytes, newMachine func(*testing.T, *opBytes) M) {
+	m := newMachine(t, o)
+	for !o.done() {
+		m.step(o)
+	}
+}
+
+// checkProperty runs machines on runs random inputs of up to size bytes
+// from a fixed seed. A machine fails the test (t.Fatalf) on the first
+// broken property; the input is then logged, ready to be added as a fuzz
+// seed.
+func checkProperty[M stepper](t *testing.T, runs, size int, newMachine func(*testing.T, *opBytes) M) {
 	t.Helper()
 	rng := rand.New(rand.NewPCG(0x5eed, uint64(len(t.Name()))))
 	for range runs {
@@ -50,12 +64,21 @@ func checkProperty(t *testing.T, runs, size int, run func(t *testing.T, o *opByt
 					t.Logf("failing input (a fuzz seed): %s", goBytes(b))
 				}
 			}()
-			run(t, &opBytes{b: b})
+			runMachine(t, &opBytes{b: b}, newMachine)
 		}()
 		if t.Failed() {
 			return
 		}
 	}
+}
+
+// fuzzMachine runs machines on the fuzzer's inputs of up to maxLen bytes.
+func fuzzMachine[M stepper](f *testing.F, maxLen int, newMachine func(*testing.T, *opBytes) M) {
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) <= maxLen {
+			runMachine(t, &opBytes{b: data}, newMachine)
+		}
+	})
 }
 
 // goBytes formats b as a Go []byte literal.

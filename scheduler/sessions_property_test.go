@@ -184,28 +184,13 @@ func (m *sessionMachine) check() {
 // removal, a session is dropped only when it expired, its endpoint went,
 // the table was full (the least recent one) or evictIf asked, the table
 // stays within its bound and each endpoint counts its sessions right.
-func TestSessionTableProperties(t *testing.T) {
-	checkProperty(t, 200, 600, func(t *testing.T, o *opBytes) {
-		m := newSessionMachine(t, o)
-		for !o.done() {
-			m.step(o)
-		}
-	})
-}
+func TestSessionTableProperties(t *testing.T) { checkProperty(t, 200, 600, newSessionMachine) }
 
+// FuzzSessionTable is TestSessionTableProperties on the fuzzer's operation sequences.
 func FuzzSessionTable(f *testing.F) {
 	f.Add([]byte{0, 4, 0, 1, 1, 0, 2, 2, 6, 3, 100, 0, 9, 1, 13, 70, 8, 2, 11})
 	f.Add([]byte{1, 20, 6, 9, 1, 7, 200, 2, 0, 3, 0, 12, 0, 1, 0, 4, 1, 10, 2, 0, 11})
-	f.Fuzz(func(t *testing.T, data []byte) {
-		if len(data) > 2048 {
-			return
-		}
-		o := &opBytes{b: data}
-		m := newSessionMachine(t, o)
-		for !o.done() {
-			m.step(o)
-		}
-	})
+	fuzzMachine(f, 2048, newSessionMachine)
 }
 
 // epName names an endpoint in a failure message.

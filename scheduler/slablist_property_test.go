@@ -15,7 +15,7 @@ type slabMachine struct {
 	free  []int32
 }
 
-func newSlabMachine(t *testing.T) *slabMachine {
+func newSlabMachine(t *testing.T, _ *opBytes) *slabMachine {
 	return &slabMachine{t: t, l: newSlabList()}
 }
 
@@ -110,25 +110,11 @@ func (m *slabMachine) check() {
 // TestSlabListProperties: random allocs, releases, touches and moves keep
 // the list in the model's order, walked from either end, every slot live
 // or free exactly once, released slots reused last released first.
-func TestSlabListProperties(t *testing.T) {
-	checkProperty(t, 300, 400, func(t *testing.T, o *opBytes) {
-		m := newSlabMachine(t)
-		for !o.done() {
-			m.step(o)
-		}
-	})
-}
+func TestSlabListProperties(t *testing.T) { checkProperty(t, 300, 400, newSlabMachine) }
 
+// FuzzSlabList is TestSlabListProperties on the fuzzer's operation sequences.
 func FuzzSlabList(f *testing.F) {
 	f.Add([]byte{0, 0, 0, 7, 1, 0, 5, 2, 3, 0})
 	f.Add([]byte{0, 1, 2, 0, 1, 2, 7, 0, 1, 7, 2, 2, 3, 1, 4, 0, 5, 1, 6, 2})
-	f.Fuzz(func(t *testing.T, data []byte) {
-		if len(data) > 2048 {
-			return
-		}
-		m := newSlabMachine(t)
-		for o := (&opBytes{b: data}); !o.done(); {
-			m.step(o)
-		}
-	})
+	fuzzMachine(f, 2048, newSlabMachine)
 }

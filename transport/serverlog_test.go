@@ -98,8 +98,15 @@ func TestServerLogCountsPanics(t *testing.T) {
 	srv.Config.ErrorLog = ServerLog(zerolog.New(&logs), func() { n.Add(1) })
 	srv.Start()
 	defer srv.Close()
+	requestPanics(t, srv.Client(), srv.URL, &logs, &n)
+}
+
+// requestPanics requests /abort, /boom and /ok from base (panicHandler):
+// only /ok answers, and exactly one panic is counted and logged.
+func requestPanics(t *testing.T, client *http.Client, base string, logs *syncBuffer, n *atomic.Int64) {
+	t.Helper()
 	for _, path := range []string{"/abort", "/boom", "/ok"} {
-		resp, err := srv.Client().Get(srv.URL + path)
+		resp, err := client.Get(base + path)
 		if err == nil {
 			resp.Body.Close()
 		}
@@ -107,8 +114,8 @@ func TestServerLogCountsPanics(t *testing.T) {
 			t.Fatalf("%s: %v", path, err)
 		}
 	}
-	waitPanics(t, &n, 1)
-	checkPanicLogged(t, &logs)
+	waitPanics(t, n, 1)
+	checkPanicLogged(t, logs)
 	if n.Load() != 1 {
 		t.Fatalf("%d panics counted, want 1 (the abort is not one)", n.Load())
 	}
@@ -127,19 +134,5 @@ func TestServeHTTPCountsPanics(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	client := &http.Client{Transport: NewRoundTripper(cli)}
-	for _, path := range []string{"/abort", "/boom", "/ok"} {
-		resp, err := client.Get("http://" + srv.ID().String() + path)
-		if err == nil {
-			resp.Body.Close()
-		}
-		if (err == nil) != (path == "/ok") {
-			t.Fatalf("%s: %v", path, err)
-		}
-	}
-	waitPanics(t, &n, 1)
-	checkPanicLogged(t, &logs)
-	if n.Load() != 1 {
-		t.Fatalf("%d panics counted, want 1 (the abort is not one)", n.Load())
-	}
+	requestPanics(t, &http.Client{Transport: NewRoundTripper(cli)}, "http://"+srv.ID().String(), &logs, &n)
 }

@@ -30,32 +30,48 @@ func liveScenario(args []string) string {
 	return ""
 }
 
+// liveFlagSet returns the flag set of a live scenario with its --scenario
+// and --quiet flags.
+func liveFlagSet(scenario string, stderr io.Writer, quiet *bool) *flag.FlagSet {
+	fs := flag.NewFlagSet("bench --scenario "+scenario, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.String("scenario", scenario, scenario)
+	fs.BoolVar(quiet, "quiet", false, "no progress lines on stderr")
+	return fs
+}
+
+// parseLive parses a live scenario's command line and returns this
+// binary's path: the scenario runs it as its processes.
+func parseLive(fs *flag.FlagSet, args []string) (string, error) {
+	if err := fs.Parse(args); err != nil {
+		return "", err
+	}
+	if fs.NArg() > 0 {
+		return "", fmt.Errorf("bench: unexpected arguments %q", fs.Args())
+	}
+	bin, err := os.Executable()
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", fs.Name(), err)
+	}
+	return bin, nil
+}
+
 // runBenchChaos runs the chaos scenario live: this very binary as a relay,
 // sim engines and agents, under load while one agent is SIGKILLed, another
 // frozen and woken, and the first restarted; it prints the figures.
 func runBenchChaos(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	cfg := chaos.Config{}
-	var scenario string
 	var quiet bool
-	fs := flag.NewFlagSet("bench --scenario chaos", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.StringVar(&scenario, "scenario", "chaos", "chaos")
+	fs := liveFlagSet("chaos", stderr, &quiet)
 	fs.IntVar(&cfg.Agents, "engines", chaos.DefaultAgents, "engines, each with its agent (at least 3)")
 	fs.IntVar(&cfg.Workers, "sessions", chaos.DefaultWorkers, "concurrent sessions; every other one streams")
 	fs.DurationVar(&cfg.Freeze, "freeze", chaos.DefaultFreeze, "how long the frozen agent stays SIGSTOPped")
 	fs.Float64Var(&cfg.TimeScale, "time-scale", chaos.DefaultTimeScale, "run the engines this many times faster than real time")
 	fs.IntVar(&cfg.MaxTokens, "answer-tokens", chaos.DefaultMaxTokens, "tokens per answer")
-	fs.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
 	timeout := fs.Duration("timeout", 2*time.Minute, "bound on the whole run")
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
-	}
-	bin, err := os.Executable()
+	bin, err := parseLive(fs, args)
 	if err != nil {
-		return fmt.Errorf("bench: chaos: %w", err)
+		return err
 	}
 	cfg.Binary = bin
 	if !quiet {
@@ -78,11 +94,8 @@ func runBenchChaos(ctx context.Context, args []string, stdout, stderr io.Writer)
 // round-robin).
 func runBenchSoak(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	cfg := chaos.SoakConfig{}
-	var scenario string
 	var quiet bool
-	fs := flag.NewFlagSet("bench --scenario soak", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.StringVar(&scenario, "scenario", "soak", "soak")
+	fs := liveFlagSet("soak", stderr, &quiet)
 	fs.IntVar(&cfg.Agents, "engines", chaos.DefaultSoakAgents, "engines, each with its agent (at least 2)")
 	fs.IntVar(&cfg.Clients, "clients", chaos.DefaultSoakClients, "concurrent clients")
 	fs.DurationVar(&cfg.Duration, "duration", chaos.DefaultSoakDuration, "how long the clients run")
@@ -93,17 +106,10 @@ func runBenchSoak(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	fs.IntVar(&cfg.MinTokens, "min-tokens", chaos.DefaultSoakMinTokens, "shortest answer in tokens")
 	fs.IntVar(&cfg.MaxTokens, "max-tokens", chaos.DefaultSoakMaxTokens, "longest answer in tokens")
 	fs.Uint64Var(&cfg.Seed, "seed", 1, "seed of the conversations")
-	fs.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
 	logFile := fs.String("log-file", "", "write every process's output to this `file`, each line prefixed with the process's name")
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
-	}
-	bin, err := os.Executable()
+	bin, err := parseLive(fs, args)
 	if err != nil {
-		return fmt.Errorf("bench: soak: %w", err)
+		return err
 	}
 	if *logFile != "" {
 		f, err := os.Create(*logFile)

@@ -1,7 +1,6 @@
 package chaos
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -234,6 +233,30 @@ func (c *cluster) relayMetrics(ctx context.Context, client *http.Client) (map[st
 // fetchMetrics returns a Prometheus text page's values by series (name and
 // labels as written).
 func fetchMetrics(ctx context.Context, client *http.Client, url string) (map[string]float64, error) {
+	b, err := getBody(ctx, client, url)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]float64{}
+	for line := range strings.Lines(string(b)) {
+		line = strings.TrimSpace(line)
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		if i < 0 {
+			continue
+		}
+		if v, err := strconv.ParseFloat(line[i+1:], 64); err == nil {
+			out[line[:i]] = v
+		}
+	}
+	return out, nil
+}
+
+// getBody GETs url and returns its body (at most 64 MiB), failing on a
+// status other than 200.
+func getBody(ctx context.Context, client *http.Client, url string) ([]byte, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return nil, err
@@ -246,23 +269,7 @@ func fetchMetrics(ctx context.Context, client *http.Client, url string) (map[str
 	if resp.StatusCode != http.StatusOK {
 		return nil, fmt.Errorf("%s: status %d", url, resp.StatusCode)
 	}
-	out := map[string]float64{}
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(nil, 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if line == "" || line[0] == '#' {
-			continue
-		}
-		i := strings.LastIndexByte(line, ' ')
-		if i < 0 {
-			continue
-		}
-		if v, err := strconv.ParseFloat(line[i+1:], 64); err == nil {
-			out[line[:i]] = v
-		}
-	}
-	return out, sc.Err()
+	return io.ReadAll(io.LimitReader(resp.Body, 64<<20))
 }
 
 // adminRow is the part of a routing table row (relay.TableRow) read here.

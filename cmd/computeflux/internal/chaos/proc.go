@@ -64,13 +64,8 @@ type procOptions struct {
 	Keep func(logLine) bool
 }
 
-// start runs bin with args; its stdout and stderr (JSON logs) are read
-// into the proc, and copied to echo when not nil.
-func start(name, bin string, echo io.Writer, args ...string) (*proc, error) {
-	return startWith(name, bin, procOptions{Echo: echo}, args...)
-}
-
-// startWith is start with options.
+// startWith runs bin with args; its stdout and stderr (JSON logs) are read
+// into the proc, and copied to opts.Echo when not nil.
 func startWith(name, bin string, opts procOptions, args ...string) (*proc, error) {
 	echo := opts.Echo
 	cmd := exec.Command(bin, args...)

@@ -457,12 +457,12 @@ func (s *soak) memory(ctx context.Context, p *proc) (heap, goroutines int64) {
 	if base == "" {
 		return
 	}
-	if b, err := s.get(ctx, base+"heap?gc=1&debug=1"); err == nil {
+	if b, err := getBody(ctx, s.client, base+"heap?gc=1&debug=1"); err == nil {
 		if i := bytes.Index(b, []byte("# HeapInuse = ")); i >= 0 {
 			heap = leadingInt(b[i+len("# HeapInuse = "):])
 		}
 	}
-	if b, err := s.get(ctx, base+"goroutine?debug=1"); err == nil {
+	if b, err := getBody(ctx, s.client, base+"goroutine?debug=1"); err == nil {
 		if rest, ok := bytes.CutPrefix(b, []byte("goroutine profile: total ")); ok {
 			goroutines = leadingInt(rest)
 		}
@@ -480,22 +480,6 @@ func leadingInt(b []byte) int64 {
 		return -1
 	}
 	return v
-}
-
-func (s *soak) get(ctx context.Context, url string) ([]byte, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return nil, err
-	}
-	resp, err := s.client.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("%s: status %d", url, resp.StatusCode)
-	}
-	return io.ReadAll(io.LimitReader(resp.Body, 64<<20))
 }
 
 // sumSeries sums the series of metric name (any labels).
