@@ -121,8 +121,8 @@ func TestChaosRealProcesses(t *testing.T) {
 // clients for 10 minutes (COMPUTEFLUX_SOAK_CLIENTS and
 // COMPUTEFLUX_SOAK_DURATION change them), one agent restarted midway,
 // then a round-robin run. It fails on any broken answer or failed
-// request, any panic in any process, heap or goroutines of the relay or an
-// agent moving more than 10% after the warm-up, the relay's CPU per
+// request, any panic in any process, heap or goroutines of the relay or of
+// the agents together moving more than 10% after the warm-up, the relay's CPU per
 // request growing, or a cache hit ratio no better than round-robin's.
 //
 //	COMPUTEFLUX_SOAK=1 go test -run TestSoak -timeout 40m -v ./cmd/computeflux/internal/chaos/
