@@ -15,13 +15,14 @@ package relay
 //   - The probe: a ping runs on every joined agent's connection, from its
 //     join on: every idleProbeInterval, and every probeInterval while
 //     requests are in flight to it (and for a short linger after). An agent
-//     that echoes nothing for silentAfter (idleSilentAfter when idle) is
-//     silent: it turns suspect and every request in flight to it is
-//     cancelled with ErrAgentSilent, so that an uncommitted attempt is
-//     retried elsewhere and a stream already going out ends with an error
-//     event. Silent for deadAfter, it is taken out of routing as gossip
-//     takes a dead member. The first echo after that clears both: a frozen
-//     agent that wakes up is routable again once it answers.
+//     that echoes nothing and sends no byte of any answer for silentAfter
+//     (idleSilentAfter when idle) is silent: it turns suspect and every
+//     request in flight to it is cancelled with ErrAgentSilent, so that an
+//     uncommitted attempt is retried elsewhere and a stream already going
+//     out ends with an error event. Silent for deadAfter, it is taken out
+//     of routing as gossip takes a dead member. The first echo after that
+//     clears both: a frozen agent that wakes up is routable again once it
+//     answers.
 //
 // The probe also keeps the agent's smoothed RTT in the peerstore (libp2p's
 // LatencyEWMA), which sets the ack bound.
@@ -121,7 +122,13 @@ type watch struct {
 	idleAt  time.Time // when the last flight ended
 	echoAt  time.Time // the prober's last echo
 	probing bool      // a prober goroutine runs
+	// readAt is when bytes of an answer last came from the agent, in Unix
+	// nanoseconds; atomic, as every read of every answer stores it.
+	readAt atomic.Int64
 }
+
+// read records that bytes of an answer came from the agent.
+func (w *watch) read() { w.readAt.Store(time.Now().UnixNano()) }
 
 // flight is one attempt in flight to an agent: registered with the agent's
 // watch, so that a silent agent cancels it, and bounded by its
@@ -182,7 +189,7 @@ func (l *liveness) begin(ctx context.Context, cancel context.CancelCauseFunc, p 
 	f.w.flights[f] = struct{}{}
 	l.startLocked(p, f.w)
 	l.mu.Unlock()
-	return f, transport.WithAck(ctx, f.sent, f.acked)
+	return f, transport.WithReadProgress(transport.WithAck(ctx, f.sent, f.acked), f.w.read)
 }
 
 // sent arms f's acknowledgement bound, the request written.
@@ -334,6 +341,13 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		if l.busy(w) {
 			interval, bound = probeInterval, silentAfter
 		}
+		// Bytes of an answer are a sign of life as good as an echo: the
+		// agent's ping service resets each ping stream after 30 s, and the
+		// new one may wait for the connection's stream credit while the
+		// agent streams answers at full speed.
+		if at := time.Unix(0, w.readAt.Load()); at.After(lastAlive) {
+			lastAlive = at
+		}
 		start := time.Now()
 		// Until the silence bound from the last echo; once silent, each
 		// probe gets the whole bound to show the agent is back.
@@ -363,6 +377,9 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		if s != nil {
 			_ = s.Reset()
 			s = nil
+		}
+		if at := time.Unix(0, w.readAt.Load()); at.After(lastAlive) {
+			lastAlive = at
 		}
 		if now.Sub(lastAlive) >= bound {
 			l.silent(p, w)

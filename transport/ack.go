@@ -52,6 +52,16 @@ func WithAck(ctx context.Context, onSent, onAck func()) context.Context {
 	return httptrace.WithClientTrace(ctx, trace)
 }
 
+type readProgressKey struct{}
+
+// WithReadProgress returns a context on which NewRoundTripper's transport
+// calls onRead (from the reader's goroutine, so it must not block) each
+// time bytes of the response body arrive: a sign of life from the peer
+// that costs it nothing.
+func WithReadProgress(ctx context.Context, onRead func()) context.Context {
+	return context.WithValue(ctx, readProgressKey{}, onRead)
+}
+
 // ackWriter is the http.ResponseWriter a handler of ServeHTTP gets: it sends
 // AckStatus on its own after AckDelay unless the handler has written its
 // response head by then. The timer writes from its own goroutine, so every

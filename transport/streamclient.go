@@ -286,6 +286,7 @@ func (t *streamTransport) exchange(ctx context.Context, req *http.Request, key s
 		break
 	}
 	b := &streamBody{t: t, ctx: ctx, ps: ps, key: key, stop: stop, rc: resp.Body, keep: !resp.Close && resp.StatusCode != http.StatusSwitchingProtocols}
+	b.read, _ = ctx.Value(readProgressKey{}).(func())
 	if resp.Body == http.NoBody || resp.Body == nil {
 		b.rc = http.NoBody
 		b.finish(true)
@@ -302,7 +303,8 @@ type streamBody struct {
 	key  string
 	stop func() bool
 	rc   io.ReadCloser
-	keep bool // the stream may carry another request after this one
+	keep bool   // the stream may carry another request after this one
+	read func() // WithReadProgress's; nil without
 
 	mu   sync.Mutex // guards done
 	done bool
@@ -311,6 +313,9 @@ type streamBody struct {
 // Read reads the body; at its end the stream goes back to the pool.
 func (b *streamBody) Read(p []byte) (int, error) {
 	n, err := b.rc.Read(p)
+	if n > 0 && b.read != nil {
+		b.read()
+	}
 	if err != nil {
 		b.finish(err == io.EOF)
 		if cerr := b.ctx.Err(); err != io.EOF && cerr != nil {
