@@ -178,6 +178,10 @@ type SoakRun struct {
 	Restarted, Rejoined time.Duration
 	// Panics are the panics any process reported.
 	Panics []string
+	// Events are the warnings and errors the relay and the agents logged
+	// during the load (the first soakEvents), with their time since the
+	// load began: what to read when a check fails.
+	Events []string
 }
 
 // SoakSample is the processes' figures at one time.
@@ -351,10 +355,42 @@ func (s *soak) load(ctx context.Context, dur, restartAt time.Duration) error {
 	s.progress("load ended after %v: %d requests", s.run.Wall.Round(time.Second), s.completed.Load())
 	s.tally()
 	s.run.Panics = s.panics(context.WithoutCancel(ctx), s.client)
+	s.run.Events = s.events()
 	if restartErr != nil {
 		return restartErr
 	}
 	return ctx.Err()
+}
+
+// soakEvents bounds SoakRun.Events.
+const soakEvents = 60
+
+// events returns the warnings and errors the relay and the agents logged
+// since the load began, in order.
+func (s *soak) events() []string {
+	var lines []logLine
+	var names []string
+	for _, p := range s.processes() {
+		if !strings.HasPrefix(p.name, "engine") {
+			for _, l := range p.logs() {
+				if lv := l.str("level"); l.at.After(s.loadStart) && (lv == "warn" || lv == "error") {
+					lines = append(lines, l)
+					names = append(names, p.name)
+				}
+			}
+		}
+	}
+	idx := make([]int, len(lines))
+	for i := range idx {
+		idx[i] = i
+	}
+	slices.SortStableFunc(idx, func(a, b int) int { return lines[a].at.Compare(lines[b].at) })
+	var out []string
+	for _, i := range idx[:min(len(idx), soakEvents)] {
+		l := lines[i]
+		out = append(out, fmt.Sprintf("%v %s: %s (agent %s, error %v)", l.at.Sub(s.loadStart).Round(time.Millisecond), names[i], l.str("message"), l.str("agent"), l.fields["error"]))
+	}
+	return out
 }
 
 // restart stops agent 0 at restartAt (SIGTERM: it drains) and starts it
@@ -1064,6 +1100,14 @@ func (rep *SoakReport) Write(w io.Writer) {
 		fmt.Fprintf(w, "FAILED: %d checks\n", len(f))
 		for _, x := range f {
 			fmt.Fprintf(w, "  %s\n", x)
+		}
+		for _, r := range []*SoakRun{rep.Main, rep.RoundRobin} {
+			if r != nil && len(r.Events) > 0 {
+				fmt.Fprintf(w, "%s: warnings and errors logged during the load:\n", r.Policy)
+				for _, e := range r.Events {
+					fmt.Fprintf(w, "  %s\n", e)
+				}
+			}
 		}
 	} else {
 		fmt.Fprintln(w, "all checks passed")
