@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	stdlog "log"
 	"math"
 	"net"
 	"net/http"
@@ -405,7 +404,7 @@ func (r *Relay) serveAdminOn(ln net.Listener) (stop func()) {
 		Handler:           r.AdminHandler(),
 		ReadHeaderTimeout: r.cfg.ReadHeaderTimeout,
 		MaxHeaderBytes:    r.cfg.MaxHeaderBytes,
-		ErrorLog:          stdlog.New(r.log.With().Str("source", "admin-http").Logger(), "", 0),
+		ErrorLog:          r.serverLog("admin-http"),
 	}
 	done := make(chan struct{})
 	go func() {

@@ -251,6 +251,20 @@ func (g *Registry) gossipCounts() (alive, suspect map[transport.NodeRole]int, un
 	return alive, suspect, unregistered
 }
 
+// agentPanics returns, by agent name, the handler panics each agent alive
+// in gossip reports having recovered.
+func (g *Registry) agentPanics() map[string]uint64 {
+	out := map[string]uint64{}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, m := range g.members {
+		if m.metaOK && m.meta.Role == transport.NodeRoleAgent {
+			out[m.meta.Name] += m.meta.Panics
+		}
+	}
+	return out
+}
+
 // relayGossip is the relay's gossip member and its admission bookkeeping.
 type relayGossip struct {
 	r      *Relay
@@ -438,12 +452,14 @@ var (
 		"Gossip streams, by direction (opened, accepted).", []string{"direction"}, nil)
 	descGossipRejected = prometheus.NewDesc("computeflux_gossip_rejected_total",
 		"Gossip streams, packets and dials refused because the peer was not admitted.", nil, nil)
+	descAgentPanics = prometheus.NewDesc("computeflux_agent_panics_total",
+		"Request handler panics an agent alive in gossip reports its servers recovered since it started.", []string{"agent"}, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (c gossipCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descGossipMembers, descGossipUnregistered, descGossipPackets,
-		descGossipBytes, descGossipStreams, descGossipRejected} {
+		descGossipBytes, descGossipStreams, descGossipRejected, descAgentPanics} {
 		ch <- d
 	}
 }
@@ -465,6 +481,9 @@ func (c gossipCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descGossipStreams, prometheus.CounterValue, float64(s.StreamsOpened), "opened")
 	ch <- prometheus.MustNewConstMetric(descGossipStreams, prometheus.CounterValue, float64(s.StreamsAccepted), "accepted")
 	ch <- prometheus.MustNewConstMetric(descGossipRejected, prometheus.CounterValue, float64(s.Rejected))
+	for name, n := range c.r.reg.agentPanics() {
+		ch <- prometheus.MustNewConstMetric(descAgentPanics, prometheus.CounterValue, float64(n), name)
+	}
 }
 
 // startDrain marks the relay as stopping and leaves the gossip (once).

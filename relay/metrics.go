@@ -1,6 +1,7 @@
 package relay
 
 import (
+	stdlog "log"
 	"maps"
 	"slices"
 	"strconv"
@@ -11,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
 )
 
 // metrics are the relay's Prometheus metrics, on a registry of its own.
@@ -26,6 +28,8 @@ type metrics struct {
 	forged   prometheus.Counter // peers cut off for forged gossip
 	index    *indexMetrics      // prefix index traffic (prefix.go)
 	relay    *Relay
+
+	panics *prometheus.CounterVec // recovered handler panics, by server
 
 	// Children of requests, affinity and failures, resolved once per label
 	// set.
@@ -83,13 +87,29 @@ func newMetrics(r *Relay) *metrics {
 			Name: "computeflux_gossip_forgeries_total",
 			Help: "Joined peers cut off because they sent gossip no honest member sends.",
 		}),
+		panics: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "computeflux_panics_total",
+			Help: "Request handler panics the relay's HTTP servers recovered (each logged with its stack), by server: http (the API) or admin-http.",
+		}, []string{"component"}),
 	}
-	m.reg.MustRegister(m.requests, m.affinity, m.ttfb, m.duration, m.retries, m.failures, m.routable, m.forged,
+	for _, c := range panicComponents {
+		m.panics.WithLabelValues(c) // the series exist from the start, at 0
+	}
+	m.reg.MustRegister(m.requests, m.affinity, m.ttfb, m.duration, m.retries, m.failures, m.routable, m.forged, m.panics,
 		schedulerCollector{r: r},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.reg.MustRegister(m.index.collectors(r.sched)...)
 	return m
+}
+
+// panicComponents are the values of computeflux_panics_total's label.
+var panicComponents = []string{"http", "admin-http"}
+
+// serverLog is the ErrorLog of the relay's HTTP server named component
+// (one of panicComponents): into the relay's log, panics counted.
+func (r *Relay) serverLog(component string) *stdlog.Logger {
+	return transport.ServerLog(r.log.With().Str("source", component).Logger(), r.metrics.panics.WithLabelValues(component).Inc)
 }
 
 // observe records one finished inference request.

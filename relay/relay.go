@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	stdlog "log"
 	"net"
 	"net/http"
 	"os"
@@ -268,7 +267,7 @@ func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
 		ReadHeaderTimeout: r.cfg.ReadHeaderTimeout,
 		MaxHeaderBytes:    r.cfg.MaxHeaderBytes,
 		IdleTimeout:       2 * r.cfg.IdleTimeout,
-		ErrorLog:          stdlog.New(r.log.With().Str("source", "http").Logger(), "", 0),
+		ErrorLog:          r.serverLog("http"),
 	}
 	stopAdmin, aerr := r.serveAdmin()
 	if aerr != nil {

@@ -55,7 +55,7 @@ func (l *BlockLRU) Lookup(chain []uint64) int {
 // Insert records that the engine now holds chain: held blocks are touched,
 // new ones added, and the chain's head becomes the most recent. It appends
 // the newly added hashes to added and the hashes evicted to make room to
-// evicted. A chain longer than the capacity keeps its head. It returns held,
+// evicted (never the same hash to both). A chain longer than the capacity keeps its head. It returns held,
 // how many leading blocks of chain were held before: the prediction the
 // request's Correct compares the engine's answer with. The caller keeps it
 // with the request, so that any number of requests may be in flight
@@ -67,6 +67,21 @@ func (l *BlockLRU) Insert(chain []uint64, added, evicted []uint64) (held int, ad
 	held = l.Lookup(chain)
 	if len(chain) > l.capacity {
 		chain = chain[:l.capacity]
+	}
+	// The chain's held blocks first: making room for its new blocks then
+	// never evicts one of them only to add it back, so added and evicted
+	// are exactly what changed (disjoint), and may be published as one
+	// delta.
+	fresh := false
+	for i := len(chain) - 1; i >= 0; i-- {
+		if n, ok := l.index[chain[i]]; ok {
+			l.list.Touch(n)
+		} else {
+			fresh = true
+		}
+	}
+	if !fresh {
+		return held, added, evicted
 	}
 	// Tail first, so the head ends most recent.
 	for i := len(chain) - 1; i >= 0; i-- {
