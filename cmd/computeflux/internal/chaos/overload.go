@@ -259,7 +259,7 @@ func (c *overloadCluster) start() error {
 		}
 	}
 	for i := range c.cfg.Engines {
-		e, err := start(fmt.Sprintf("engine-%d", i), c.cfg.Binary, c.cfg.Echo, "sim-engine",
+		e, err := startWith(fmt.Sprintf("engine-%d", i), c.cfg.Binary, procOptions{Echo: c.cfg.Echo}, "sim-engine",
 			"--listen", "127.0.0.1:0", "--max-running", fmt.Sprint(c.cfg.Slots), "--log-format", "json")
 		if err != nil {
 			return err
@@ -275,7 +275,7 @@ func (c *overloadCluster) start() error {
 		for _, ma := range c.relayMA {
 			args = append(args, "--relay", ma)
 		}
-		a, err := start(agentName(i), c.cfg.Binary, c.cfg.Echo, append(args, c.cfg.AgentArgs...)...)
+		a, err := startWith(agentName(i), c.cfg.Binary, procOptions{Echo: c.cfg.Echo}, append(args, c.cfg.AgentArgs...)...)
 		if err != nil {
 			return err
 		}
@@ -304,7 +304,7 @@ func (c *overloadCluster) startRelay(i int, listen string) error {
 		"--identity", filepath.Join(c.dir, fmt.Sprintf("relay-%d.key", i)), "--token-file", filepath.Join(c.dir, "token"),
 		"--clients-file", filepath.Join(c.dir, "clients.yaml"), "--addr-file", addrFile, "--log-format", "json"},
 		c.cfg.RelayArgs...)
-	p, err := start(fmt.Sprintf("relay-%d", i), c.cfg.Binary, c.cfg.Echo, args...)
+	p, err := startWith(fmt.Sprintf("relay-%d", i), c.cfg.Binary, procOptions{Echo: c.cfg.Echo}, args...)
 	if err != nil {
 		return err
 	}
