@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 	"github.com/libp2p/go-libp2p"
 	"github.com/libp2p/go-libp2p/core/crypto"
@@ -49,9 +50,17 @@ type Config struct {
 	Name string
 	// Weight is the relative share of traffic. 0 means 1.
 	Weight float64
-	// MaxConcurrency caps concurrent requests (reported to the relay as
-	// capacity; excess requests get 429). 0 means unlimited.
+	// MaxConcurrency caps concurrent requests, waiting ones included
+	// (excess requests get 429), and bounds the dispatch limit. 0 means
+	// unlimited.
 	MaxConcurrency int
+	// DispatchLimit is how many requests the engine is given at once, the
+	// rest waiting in fair order (gate.go); the relays learn it as the
+	// agent's capacity and queue what it cannot take. 0 means measured
+	// from the engine's metrics (its batch); a negative value turns the
+	// gate off, the relays then sending without limit (or up to
+	// MaxConcurrency) and the engine queueing in arrival order.
+	DispatchLimit int
 	// IdentityFile keeps the agent's Ed25519 key. Empty means a new
 	// identity on every start.
 	IdentityFile string
@@ -197,6 +206,7 @@ type Agent struct {
 	host     host.Host                          // guarded by mu; set while Run runs
 	draining atomic.Bool
 	index    *prefixIndex // nil when Config.Index.Disabled
+	gate     *gate
 
 	mu       sync.Mutex // guards the following fields
 	models   []string
@@ -268,6 +278,7 @@ func New(cfg Config) (*Agent, error) {
 		kick:     make(chan struct{}, 1),
 		dialSem:  make(chan struct{}, predialLimit),
 	}
+	a.gate = newGate(scheduler.LimitConfig{Fixed: max(cfg.DispatchLimit, 0), Max: cfg.MaxConcurrency}, cfg.DispatchLimit < 0)
 	if !cfg.Index.Disabled {
 		a.index = newPrefixIndex(cfg.Index, a.log.With().Str("part", "prefix-index").Logger())
 	}
@@ -340,12 +351,41 @@ func (a *Agent) Info() transport.JoinInfo {
 		Name:     a.cfg.Name,
 		Models:   slices.Clone(a.models),
 		Weight:   a.cfg.Weight,
-		Capacity: a.cfg.MaxConcurrency,
+		Capacity: a.capacity(),
 		// An engine that does not answer makes the agent unavailable: the
 		// relay routes elsewhere instead of sending requests that fail.
 		Draining: a.draining.Load() || !a.engineOK,
 		APIs:     slices.Clone(a.engine.APIs),
 		Relays:   a.cfg.relayAddrs(),
+	}
+}
+
+// capacity is what the agent announces as its capacity: its dispatch
+// limit, or MaxConcurrency without one.
+func (a *Agent) capacity() int {
+	if n := a.gate.Limit(); n > 0 {
+		return n
+	}
+	return a.cfg.MaxConcurrency
+}
+
+// DispatchLimit returns the agent's dispatch limit (0: none) and the
+// requests waiting for it.
+func (a *Agent) DispatchLimit() (limit, waiting int) {
+	return a.gate.Limit(), a.gate.waiting()
+}
+
+// observeLoad feeds an engine metrics reading (ok false: it failed) to the
+// dispatch limit, and announces a changed limit.
+func (a *Agent) observeLoad(met EngineMetrics, ok bool) {
+	limit, changed := a.gate.observe(met, ok, time.Now())
+	if !changed {
+		return
+	}
+	a.log.Info().Int("dispatch_limit", limit).Int("running", met.Running).Int("waiting", met.Waiting).Msg("dispatch limit changed")
+	a.notify()
+	if g := a.Gossip(); g != nil {
+		g.UpdateMeta()
 	}
 }
 
@@ -739,6 +779,9 @@ func (a *Agent) refresh(ctx context.Context) {
 	nowOK, after := a.engineOK, a.models
 	a.mu.Unlock()
 	a.logLoadChange(load)
+	if a.Gossip() == nil {
+		a.observeLoad(met, metErr == nil && err == nil) // no metrics loop without gossip
+	}
 
 	if err != nil && ctx.Err() == nil {
 		a.log.Warn().Err(err).Msg("engine model discovery failed")

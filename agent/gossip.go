@@ -70,7 +70,7 @@ func (a *Agent) gossipMetaAt(now time.Time) transport.NodeMeta {
 		Role:         transport.NodeRoleAgent,
 		Name:         a.cfg.Name,
 		Models:       models,
-		Capacity:     a.cfg.MaxConcurrency,
+		Capacity:     a.capacity(),
 		InFlight:     a.InFlight(),
 		Running:      met.Running,
 		Waiting:      met.Waiting,
@@ -263,8 +263,10 @@ func (a *Agent) scrapeOnce(ctx context.Context, now time.Time) {
 	case ctx.Err() != nil:
 	case err != nil:
 		a.noteLoad(now, nil, err)
+		a.observeLoad(met, false)
 	default:
 		a.noteLoad(now, &met, nil)
+		a.observeLoad(met, true)
 	}
 }
 

@@ -292,6 +292,18 @@ func (a *Agent) serve(w http.ResponseWriter, r *http.Request, body []byte) {
 		writeError(w, http.StatusTooManyRequests, "agent_busy", "this agent is at its concurrency limit of "+strconv.Itoa(max))
 		return
 	}
+	flow := r.Header.Get(transport.HeaderFlow)
+	r.Header.Del(transport.HeaderFlow)
+	if method == http.MethodPost {
+		release, err := a.gate.enter(r.Context(), transport.ParseFlow(flow))
+		if err != nil {
+			if r.Context().Err() == nil {
+				gateError(w, err)
+			}
+			return
+		}
+		defer release()
+	}
 	var st *servedReq
 	if method == http.MethodPost && r.URL.Path != "/v1/embeddings" {
 		st = a.indexRequest(r, body) // prefix index (usage.go)

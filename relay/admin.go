@@ -35,6 +35,7 @@ import (
 //	POST /admin/v1/endpoints/{name}/drain     no new requests, in-flight ones finish
 //	POST /admin/v1/endpoints/{name}/undrain   undo drain
 //	POST /admin/v1/endpoints/{name}/weight    {"weight": W}; 0 returns to the declared or file weight
+//	GET  /admin/v1/queue                      the requests waiting for room (QueueStatus)
 //	GET  /status                              the status page (HTML; its data needs the key)
 //	GET  /status.json                         the table plus recent request rate, hit ratio, TTFT
 //
@@ -280,6 +281,7 @@ func (r *Relay) AdminHandler() http.Handler {
 	}))
 	mux.HandleFunc("POST /admin/v1/endpoints/{name}/{action}", r.admin(r.serveAdminAction))
 	mux.HandleFunc("GET /admin/v1/usage", r.admin(r.serveUsage))
+	mux.HandleFunc("GET /admin/v1/queue", r.admin(r.serveQueueStatus)) // queue_admin.go
 	mux.HandleFunc("GET /status", r.status(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/html; charset=utf-8")
 		w.Header().Set("Cache-Control", "no-store")

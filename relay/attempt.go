@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
 )
 
 // Causes of a cancelled upstream request.
@@ -133,6 +134,9 @@ func (x *exchange) request(p *proxied, ctx context.Context, tgt target) (*http.R
 	up.ContentLength = int64(len(p.body))
 	copyRequestHeaders(up.Header, p.req.Header)
 	tgt.authorize(up.Header)
+	if tgt.peer != "" && p.rl.flow.id != "" { // the agent's gate reads it (agent/gate.go)
+		up.Header[transport.HeaderFlow] = []string{p.rl.flow.header()}
+	}
 	return up, nil
 }
 

@@ -99,6 +99,24 @@ type Config struct {
 	// flight; more get 429. With NoAuth all clients share one budget. Zero
 	// means unlimited.
 	KeyConcurrency int
+	// Clients names clients (several keys each), their weights, classes
+	// and budgets (see ClientsFile); its keys are accepted as API keys too.
+	// Nil means every key is a client of its own, of weight 1, interactive.
+	Clients *ClientsFile
+
+	// QueueWait bounds how long a request waits at the relay for an agent
+	// with room (queue.go) before an overflow tier takes it or it gets
+	// 429. Zero means DefaultQueueWait (30 s); negative turns the queue
+	// off: a request no agent has room for overflows or gets 503 at once.
+	QueueWait time.Duration
+	// RestartHold bounds the wait of requests that arrive before any agent
+	// has joined (a restarted relay). Zero means DefaultRestartHold (5 s).
+	RestartHold time.Duration
+	// MaxQueued and MaxQueuedPerClient bound the requests waiting in all
+	// and per client (per model); beyond them a request gets 429 at once.
+	// Zero means scheduler.DefaultMaxQueued (4,096) and
+	// scheduler.DefaultMaxQueuedPerFlow (512).
+	MaxQueued, MaxQueuedPerClient int
 	// MetricsKey, if set, is required as "Authorization: Bearer KEY" on
 	// /metrics; client API keys do not open it. Empty means /metrics is
 	// public (keep the relay's port private or set a key: it names agents
@@ -213,6 +231,8 @@ func populate(cfg Config) Config {
 	cfg.IndexCutoff = cmp.Or(cfg.IndexCutoff, DefaultIndexCutoff)
 	cfg.MaxAgentWeight = cmp.Or(cfg.MaxAgentWeight, DefaultMaxAgentWeight)
 	cfg.AdminListen = cmp.Or(cfg.AdminListen, DefaultAdminListen)
+	cfg.QueueWait = cmp.Or(cfg.QueueWait, DefaultQueueWait)
+	cfg.RestartHold = cmp.Or(cfg.RestartHold, DefaultRestartHold)
 	if cfg.Policy != scheduler.PolicySticky {
 		cfg.Scheduler.Policy = cfg.Policy
 	}
@@ -225,7 +245,7 @@ func populate(cfg Config) Config {
 // validate checks a populated Config.
 func validate(cfg Config) error {
 	var errs []error
-	if len(cfg.APIKeys) == 0 && !cfg.NoAuth {
+	if len(cfg.APIKeys) == 0 && !cfg.NoAuth && (cfg.Clients == nil || len(cfg.Clients.Clients) == 0) {
 		errs = append(errs, errors.New("no API keys: give keys, or set NoAuth to serve without authentication"))
 	}
 	for i, k := range cfg.APIKeys {
@@ -245,6 +265,9 @@ func validate(cfg Config) error {
 	}
 	if cfg.TTFBTimeout < 0 || cfg.IdleTimeout < 0 || cfg.ReadHeaderTimeout < 0 || cfg.ShutdownTimeout < 0 {
 		errs = append(errs, errors.New("negative timeout"))
+	}
+	if cfg.RestartHold < 0 || cfg.MaxQueued < 0 || cfg.MaxQueuedPerClient < 0 {
+		errs = append(errs, errors.New("RestartHold, MaxQueued and MaxQueuedPerClient must not be negative"))
 	}
 	if cfg.IndexCutoff < 0 {
 		errs = append(errs, errors.New("negative IndexCutoff"))

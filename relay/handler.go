@@ -45,6 +45,8 @@ type reqLog struct {
 	status   int
 	ttfb     time.Duration
 	err      error
+	client   *Client // the key's client; nil without auth
+	flow     flowOf  // who the request is for, in the queue's terms
 }
 
 // serveHTTP dispatches by path and method; every error response goes through
@@ -97,7 +99,7 @@ func (r *Relay) get(w http.ResponseWriter, req *http.Request) bool {
 
 // auth answers 401 unless req carries a known key (or auth is off).
 func (r *Relay) auth(w http.ResponseWriter, req *http.Request) bool {
-	if r.cfg.NoAuth || r.keys.check(req) {
+	if r.cfg.NoAuth || r.clients.lookup(keyID(req, false)) != nil {
 		return true
 	}
 	writeError(w, errUnauthorized())

@@ -7,16 +7,18 @@ package relay
 //	  prepare      once per request: read and parse it, and choose its route
 //	               (prepareInference here, prepareStored in responses.go)
 //	  admit        once per request, before its first Pick: the per-key
-//	               limits; the one place a request waits for or is refused
-//	               its turn
+//	               limits (a 429 when over)
 //	  proxy        the attempts, up to MaxAttempts:
-//	    Pick       the route names an endpoint (the scheduler, or the one
-//	               agent that stores a response)
+//	    pick       the route names an endpoint (the scheduler, or the one
+//	               agent that stores a response); an inference request
+//	               that finds no room waits here, in the fair queue
+//	               (queue.go), for its turn among the clients' requests
 //	    attempt    send, first byte, commit, copy (attempt.go); it decides
 //	               the attempt's outcome and reports nothing
 //	    finish     the one place an attempt's end is recorded: reported to
-//	               the route (the scheduler) once, shared with the peer
-//	               relays, counted and logged
+//	               the route (the scheduler) once, its slot given back to
+//	               the fair queue, shared with the peer relays, counted
+//	               and logged
 //
 // Every request that reaches an agent (chat, completions, embeddings,
 // Responses, Messages, and GET, DELETE and cancel of a stored response)
@@ -61,6 +63,9 @@ type proxied struct {
 	session string // the session key; empty for none
 	route   route
 	blocks  *[]uint64 // the prompt's block chain (pooled); nil when not hashed
+	// queued is set while an attempt holds a slot in the fair queue's
+	// accounting (pick took it; finish gives it back).
+	queued bool
 }
 
 // release gives back what prepare took.
@@ -131,8 +136,10 @@ func (r *Relay) serveProxied(w http.ResponseWriter, req *http.Request, method, p
 // it. It returns nil once a response went out, or the error that
 // writeError turns into one.
 func (r *Relay) runStages(p *proxied, stored string) error {
-	if !r.cfg.NoAuth && !r.keys.check(p.req) {
-		return errUnauthorized()
+	if !r.cfg.NoAuth {
+		if p.rl.client = r.clients.lookup(keyID(p.req, false)); p.rl.client == nil {
+			return errUnauthorized()
+		}
 	}
 	var err error
 	if stored == "" {
@@ -169,7 +176,8 @@ func (r *Relay) prepareInference(p *proxied) error {
 
 	r.installBinding(p.session)
 	p.blocks = r.promptBlocks(body) // prefix.go; release gives them back
-	sr := scheduler.Request{Model: rt.model, SessionKey: p.session, Prefix: *p.blocks}
+	sr := scheduler.Request{Model: rt.model, SessionKey: p.session, Prefix: *p.blocks, Wait: r.queue != nil}
+	p.rl.flow = flowFor(p.req, p.rl.client, rt, len(body))
 	if p.w, err = r.routeAPI(p.w, p.req, rt, &sr); err != nil { // responses.go
 		return err
 	}
@@ -227,7 +235,12 @@ func (r *Relay) proxy(p *proxied) error {
 	rl := &p.rl
 	f := failureTally{allRateLimited: true}
 	for n := 0; n < r.cfg.MaxAttempts; n++ {
-		c, err := p.route.Pick()
+		c, err := r.pick(p)
+		var qe *Error
+		if errors.As(err, &qe) || errors.Is(err, errClientGone) {
+			rl.agent, rl.affinity = "", ""
+			return err // the queue's own answer
+		}
 		if err != nil {
 			rl.agent, rl.affinity = "", "" // no endpoint served the request
 			return r.pickError(err, rl.model, &f)
@@ -260,6 +273,18 @@ func (r *Relay) proxy(p *proxied) error {
 	return errBadGateway(f.n, f.last)
 }
 
+// pick names the endpoint of p's next attempt. An inference request goes
+// through the fair queue when it is on, and may wait there for room.
+func (r *Relay) pick(p *proxied) (scheduler.Choice, error) {
+	att, ok := p.route.(*scheduler.Attempt)
+	if r.queue == nil || !ok {
+		return p.route.Pick()
+	}
+	c, err := r.queue.pick(p.req, att, p.rl.flow)
+	p.queued = err == nil
+	return c, err
+}
+
 // finish records how attempt n (of choice c) ended, once: the route hears
 // the outcome (the scheduler's statistics, breaker and session affinity), a
 // success binds the session at the peer relays too, and an attempt that
@@ -267,6 +292,10 @@ func (r *Relay) proxy(p *proxied) error {
 func (r *Relay) finish(p *proxied, c scheduler.Choice, n int, res *attemptResult) {
 	if p.route.Report(c, res.outcome) == scheduler.ClassSuccess {
 		r.shareBinding(p.session, c.EndpointID)
+	}
+	if p.queued {
+		p.queued = false
+		r.queue.finished(p.rl.flow) // a slot freed
 	}
 	if res.committed || p.req.Context().Err() != nil {
 		return

@@ -32,8 +32,9 @@ type Relay struct {
 	reqLog  zerolog.Logger // the per-request lines (Config.RequestLogger)
 	sched   *scheduler.Scheduler
 	reg     *Registry
-	keys    *keyring
+	clients *clientTable
 	limits  *keyLimits // nil without per-key limits
+	queue   *fairQueue // requests waiting for room (queue.go); nil when off
 	rt      http.RoundTripper
 	metrics *metrics
 	handler http.Handler
@@ -82,12 +83,12 @@ func New(cfg Config) (*Relay, error) {
 		return nil, fmt.Errorf("relay: scheduler: %w", err)
 	}
 	r := &Relay{
-		cfg:    cfg,
-		log:    cfg.Logger.With().Str("component", "relay").Logger(),
-		sched:  sched,
-		keys:   newKeyring(cfg.APIKeys),
-		limits: newKeyLimits(cfg.KeyRPM, cfg.KeyConcurrency, cfg.Clock),
-		rt:     cfg.Transport,
+		cfg:     cfg,
+		log:     cfg.Logger.With().Str("component", "relay").Logger(),
+		sched:   sched,
+		clients: newClientTable(cfg.APIKeys, cfg.Clients),
+		limits:  newKeyLimits(cfg.KeyRPM, cfg.KeyConcurrency, cfg.Clock),
+		rt:      cfg.Transport,
 	}
 	r.reqLog = r.log
 	if cfg.RequestLogger != nil {
@@ -101,6 +102,12 @@ func New(cfg Config) (*Relay, error) {
 	r.stats = newStatsWindow()
 	r.metrics = newMetrics(r)
 	r.handler = http.HandlerFunc(r.serveHTTP)
+	r.bgCtx, r.bgCancel = context.WithCancel(context.Background())
+	if cfg.QueueWait > 0 {
+		if r.queue, err = newFairQueue(r); err != nil {
+			return nil, fmt.Errorf("relay: %w", err)
+		}
+	}
 
 	if !cfg.NoP2P {
 		r.host = cfg.Host
@@ -153,7 +160,6 @@ func New(cfg Config) (*Relay, error) {
 				r.forgetPeer(p)
 			}
 		}
-		r.bgCtx, r.bgCancel = context.WithCancel(context.Background())
 		r.bgWG.Add(1)
 		go func() {
 			defer r.bgWG.Done()
@@ -201,6 +207,13 @@ func New(cfg Config) (*Relay, error) {
 			_ = r.Close()
 			return nil, fmt.Errorf("relay: %w", err)
 		}
+	}
+	if r.queue != nil {
+		r.bgWG.Add(1)
+		go func() {
+			defer r.bgWG.Done()
+			r.queue.run(r.bgCtx)
+		}()
 	}
 	return r, nil
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"strconv"
 	"unicode/utf8"
 )
 
@@ -18,6 +19,12 @@ type routing struct {
 
 	// The raw Responses routing fields (responses.go), aliasing the body.
 	previousResponseID, store json.RawMessage
+
+	// tier is the request's service_tier; "" when absent.
+	tier string
+	// maxTokens is the answer's bound the request sets (max_tokens,
+	// max_completion_tokens or max_output_tokens); 0 when none.
+	maxTokens int
 }
 
 // routingFields decodes the routing fields lazily: RawMessage keeps the
@@ -30,6 +37,11 @@ type routingFields struct {
 
 	PreviousResponseID json.RawMessage `json:"previous_response_id"`
 	Store              json.RawMessage `json:"store"`
+
+	ServiceTier         json.RawMessage `json:"service_tier"`
+	MaxTokens           json.RawMessage `json:"max_tokens"`
+	MaxCompletionTokens json.RawMessage `json:"max_completion_tokens"`
+	MaxOutputTokens     json.RawMessage `json:"max_output_tokens"`
 }
 
 // parseRouting reads the routing fields of an OpenAI request body. It fails
@@ -73,6 +85,25 @@ func parseRouting(body []byte) (routing, error) {
 		rt.session, _ = jsonString(f.PromptCacheKey)
 	}
 	rt.previousResponseID, rt.store = f.PreviousResponseID, f.Store
+	if len(f.ServiceTier) > 0 && string(f.ServiceTier) != "null" {
+		tier, err := jsonString(f.ServiceTier)
+		if err != nil || f.ServiceTier[0] != '"' {
+			return routing{}, errBadRequest("invalid_service_tier", "'service_tier' must be a string: auto, default, flex or priority", err)
+		}
+		switch tier {
+		case "auto", "default", "flex", "priority", "scale":
+		default:
+			return routing{}, errBadRequest("invalid_service_tier", "Unknown 'service_tier' "+strconv.Quote(tier)+": use auto, default, flex or priority", nil)
+		}
+		rt.tier = tier
+	}
+	for _, raw := range []json.RawMessage{f.MaxTokens, f.MaxCompletionTokens, f.MaxOutputTokens} {
+		// A malformed bound is the engine's to reject; it only leaves
+		// the request's cost at the default estimate.
+		if n, err := strconv.Atoi(string(raw)); err == nil && n > 0 {
+			rt.maxTokens = max(rt.maxTokens, n)
+		}
+	}
 	return rt, nil
 }
 

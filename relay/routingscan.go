@@ -52,6 +52,14 @@ func scanRoutingFields(body []byte, f *routingFields) error {
 			out.PreviousResponseID = body[vs:i]
 		case scheduler.KeyEqualFold(key, "store"):
 			out.Store = body[vs:i]
+		case scheduler.KeyEqualFold(key, "service_tier"):
+			out.ServiceTier = body[vs:i]
+		case scheduler.KeyEqualFold(key, "max_tokens"):
+			out.MaxTokens = body[vs:i]
+		case scheduler.KeyEqualFold(key, "max_completion_tokens"):
+			out.MaxCompletionTokens = body[vs:i]
+		case scheduler.KeyEqualFold(key, "max_output_tokens"):
+			out.MaxOutputTokens = body[vs:i]
 		}
 		i = skipSpace(body, i)
 		if body[i] == ',' {
@@ -78,6 +86,14 @@ func scanRoutingFields(body []byte, f *routingFields) error {
 	}
 	if out.Store != nil {
 		f.Store = out.Store
+	}
+	for _, p := range [...]struct{ dst, src *json.RawMessage }{
+		{&f.ServiceTier, &out.ServiceTier}, {&f.MaxTokens, &out.MaxTokens},
+		{&f.MaxCompletionTokens, &out.MaxCompletionTokens}, {&f.MaxOutputTokens, &out.MaxOutputTokens},
+	} {
+		if *p.src != nil {
+			*p.dst = *p.src
+		}
 	}
 	return nil
 }

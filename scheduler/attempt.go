@@ -154,6 +154,7 @@ type Attempt struct {
 	pending    []pending
 	pendingBuf [2]pending
 	mapped     *endpoint // the session's live endpoint, during a Pick
+	wait       bool      // Request.Wait until StopWaiting
 }
 
 type pending struct {
@@ -174,7 +175,15 @@ type pending struct {
 
 // Begin starts the scheduling of one request.
 func (s *Scheduler) Begin(r Request) *Attempt {
-	return &Attempt{s: s, req: r}
+	return &Attempt{s: s, req: r, wait: r.Wait}
+}
+
+// StopWaiting clears the request's Wait: its next Pick overflows to a
+// further tier when its own is full. The caller has waited long enough.
+func (a *Attempt) StopWaiting() {
+	a.s.mu.Lock()
+	a.wait = false
+	a.s.mu.Unlock()
 }
 
 // Request returns the request the attempt was begun with.

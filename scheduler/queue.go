@@ -20,9 +20,12 @@ import (
 //
 // Within a band the order is start-time fair queuing (Goyal et al., SFQ) by
 // cost: a request of flow f with weight w and cost c gets the start tag
-// S = max(V, F_f) and the finish tag F_f = S + c/w, where V is the start
-// tag of the request dispatched last and F_f the finish tag of f's previous
-// request; the request with the smallest start tag goes first. The cost is
+// S = max(V + U_f/w, F_f) and the finish tag F_f = S + c/w, where V is the
+// start tag of the request dispatched last, F_f the finish tag of f's
+// previous request and U_f the cost of f's requests being served now (so
+// a client already using the fleet waits behind one that is not, even
+// when neither has waited before); the request with the smallest start
+// tag goes first. The cost is
 // what the request will use of an engine (its prompt and expected answer,
 // in tokens), so a client sending long requests gets fewer of them, and two
 // clients that both keep requests waiting share the dispatches in the ratio
@@ -161,6 +164,14 @@ type Queue[T any] struct {
 	mu     sync.Mutex // guards the following fields and every item, flow and model
 	models map[string]*queueModel[T]
 	queued int
+	// serving is the cost of each flow's requests in service (Serving
+	// or Pop, until Done); flows at zero are dropped.
+	serving map[string]*inService
+}
+
+type inService struct {
+	n    int
+	cost float64
 }
 
 // queueModel is the waiting requests of one model, kept while any wait.
@@ -200,6 +211,7 @@ type QueueItem[T any] struct {
 	band          Band
 	flow          *queueFlow[T]
 	start, finish float64
+	cost          float64
 	seq           uint64
 	enqueued      int64
 	prev, next    *QueueItem[T]
@@ -218,7 +230,8 @@ func NewQueue[T any](cfg QueueConfig) (*Queue[T], error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	return &Queue[T]{cfg: cfg, epoch: cfg.Clock.Now(), models: make(map[string]*queueModel[T])}, nil
+	return &Queue[T]{cfg: cfg, epoch: cfg.Clock.Now(), models: make(map[string]*queueModel[T]),
+		serving: make(map[string]*inService)}, nil
 }
 
 func (q *Queue[T]) now() int64 { return int64(q.cfg.Clock.Now().Sub(q.epoch)) }
@@ -241,6 +254,59 @@ func (q *Queue[T]) Len() int {
 	return q.queued
 }
 
+// Serving records that a request of flow of cost went into service without
+// waiting. Done must follow when it ends.
+func (q *Queue[T]) Serving(flow string, cost float64) {
+	cost = validCost(cost)
+	q.mu.Lock()
+	q.servingLocked(flow, cost)
+	q.mu.Unlock()
+}
+
+func (q *Queue[T]) servingLocked(flow string, cost float64) {
+	s := q.serving[flow]
+	if s == nil {
+		s = &inService{}
+		q.serving[flow] = s
+	}
+	s.n++
+	s.cost += cost
+}
+
+// Done records that a request of flow of cost, in service since Serving or
+// Pop, ended.
+func (q *Queue[T]) Done(flow string, cost float64) {
+	cost = validCost(cost)
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	s := q.serving[flow]
+	if s == nil {
+		return
+	}
+	if s.n--; s.n <= 0 {
+		delete(q.serving, flow)
+		return
+	}
+	s.cost = max(s.cost-cost, 0)
+}
+
+// InService returns the number of requests of flow in service.
+func (q *Queue[T]) InService(flow string) int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if s := q.serving[flow]; s != nil {
+		return s.n
+	}
+	return 0
+}
+
+func validCost(c float64) float64 {
+	if !(c > 0) || math.IsInf(c, 0) {
+		return 1
+	}
+	return c
+}
+
 // Push adds a request of flow for model to band. weight is the flow's share
 // (non-positive or non-finite means 1) and cost what the request will use
 // (non-positive means 1). It fails with a *QueueFullError when the queue or
@@ -249,9 +315,7 @@ func (q *Queue[T]) Push(model, flow string, band Band, weight, cost float64, v T
 	if !(weight > 0) || math.IsInf(weight, 0) {
 		weight = 1
 	}
-	if !(cost > 0) || math.IsInf(cost, 0) {
-		cost = 1
-	}
+	cost = validCost(cost)
 	band = min(band, numBands-1)
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -277,8 +341,12 @@ func (q *Queue[T]) Push(model, flow string, band Band, weight, cost float64, v T
 		return nil, &QueueFullError{PerFlow: true, Limit: q.cfg.MaxQueuedPerFlow}
 	}
 	b.seq++
-	it := &QueueItem[T]{Value: v, model: m, band: band, flow: f, seq: b.seq, enqueued: q.now(), waiting: true}
-	it.start = max(b.v, f.finish)
+	it := &QueueItem[T]{Value: v, model: m, band: band, flow: f, cost: cost, seq: b.seq, enqueued: q.now(), waiting: true}
+	v0 := b.v
+	if s := q.serving[flow]; s != nil {
+		v0 += s.cost / weight
+	}
+	it.start = max(v0, f.finish)
 	it.finish = it.start + cost/weight
 	f.finish = it.finish
 	if f.tail == nil {
@@ -320,8 +388,9 @@ func (m *queueModel[T]) next(batchEvery int) *QueueItem[T] {
 	return bh
 }
 
-// Pop removes a dispatched request. It reports false when it was no longer
-// waiting (already popped or removed).
+// Pop removes a dispatched request and records it in service (Done must
+// follow when it ends). It reports false when it was no longer waiting
+// (already popped or removed).
 func (q *Queue[T]) Pop(it *QueueItem[T]) bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -347,6 +416,7 @@ func (q *Queue[T]) Pop(it *QueueItem[T]) bool {
 		}
 	}
 	m.lastDispatch = max(now, 1)
+	q.servingLocked(it.flow.id, it.cost)
 	q.unlink(it, false)
 	return true
 }

@@ -28,6 +28,7 @@ func drain(q *Queue[int], model string) []int {
 		if !q.Pop(it) {
 			panic("peeked item not waiting")
 		}
+		q.Done(it.Flow(), it.cost) // a slot of its own: it ends before the next
 		out = append(out, it.Value)
 	}
 	return out
@@ -102,6 +103,7 @@ func TestQueueBatchNotStarved(t *testing.T) {
 				q.Push("m", "chat", BandInteractive, 1, 1, i)
 				it := q.Peek("m")
 				q.Pop(it)
+				q.Done(it.Flow(), 1)
 				if it.Value < 0 {
 					batch++
 				}
@@ -136,6 +138,7 @@ func TestQueueWeightedShare(t *testing.T) {
 	for range 2000 {
 		it := q.Peek("m")
 		q.Pop(it)
+		q.Done(it.Flow(), cost[it.Value])
 		tokens[it.Flow()] += cost[it.Value]
 		// Keep both backlogged: replace what left.
 		if it.Flow() == "two" {
@@ -147,6 +150,34 @@ func TestQueueWeightedShare(t *testing.T) {
 	ratio := tokens["two"] / tokens["one"]
 	if ratio < 1.9 || ratio > 2.1 {
 		t.Fatalf("tokens %v: ratio %.3f, want 2 within 5%%", tokens, ratio)
+	}
+}
+
+// TestQueueInService: a flow whose requests are being served waits behind
+// one that has none in service, though neither waited before; in
+// proportion to its weight.
+func TestQueueInService(t *testing.T) {
+	q, _ := newTestQueue(t, QueueConfig{})
+	q.Serving("heavy", 100)
+	q.Push("m", "heavy", 0, 1, 100, 0)
+	q.Push("m", "light", 0, 1, 100, 1)
+	if got := drain(q, "m"); fmt.Sprint(got) != "[1 0]" {
+		t.Fatalf("order %v, want the light request first", got)
+	}
+	// Weight 2 with twice the work in service is level with weight 1.
+	q.Serving("two", 100)
+	q.Serving("two", 100)
+	q.Serving("one", 100)
+	q.Push("m", "two", 0, 2, 100, 2)
+	q.Push("m", "one", 0, 1, 100, 3)
+	if got := drain(q, "m"); fmt.Sprint(got) != "[2 3]" {
+		t.Fatalf("order %v, want arrival order between equal shares", got)
+	}
+	for _, f := range []string{"heavy", "two", "two", "one"} {
+		q.Done(f, 100)
+	}
+	if len(q.serving) != 0 || q.InService("two") != 0 {
+		t.Fatalf("serving %v after every request ended", q.serving)
 	}
 }
 
@@ -336,10 +367,11 @@ func queueOps(t *testing.T, ops []byte) {
 	var live []*QueueItem[int]
 	popped := map[*QueueItem[int]]bool{}
 	removed := map[*QueueItem[int]]bool{}
+	done := map[*QueueItem[int]]bool{}
 	models := []string{"m", "n"}
 	for i := 0; i+1 < len(ops); i += 2 {
 		op, arg := ops[i], ops[i+1]
-		switch op % 5 {
+		switch op % 6 {
 		case 0, 1: // push
 			model := models[arg&1]
 			flow := string(rune('a' + (arg>>1)%4))
@@ -383,6 +415,19 @@ func queueOps(t *testing.T, ops []byte) {
 			removed[it] = true
 		case 4:
 			clk.Advance(time.Duration(arg) * time.Millisecond)
+		case 5: // a popped request ends
+			for _, it := range live {
+				if popped[it] && !done[it] {
+					q.Done(it.Flow(), it.cost)
+					done[it] = true
+					break
+				}
+			}
+		}
+		for f, s := range q.serving {
+			if s.n <= 0 || s.cost < 0 {
+				t.Fatalf("flow %s in service: %+v", f, *s)
+			}
 		}
 		checkQueue(t, q)
 	}

@@ -70,7 +70,7 @@ func (a *Attempt) tierGroup(g *group, now int64) *group {
 	for _, t := range g.tiers {
 		for _, e := range t.eps {
 			ok, avoid := a.admit(e, now, false)
-			if !ok && a.req.Wait && a.full(e, now) {
+			if !ok && a.wait && a.full(e, now) {
 				ok, avoid = true, e.health.Suspect || slices.Contains(a.failed, e.id)
 			}
 			switch {

@@ -23,6 +23,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return runBenchChaos(ctx, args, stdout, stderr)
 	case "soak":
 		return runBenchSoak(ctx, args, stdout, stderr)
+	case "overload":
+		return runBenchOverload(ctx, args, stdout, stderr)
 	}
 	if rest, ok := cutOverhead(args); ok {
 		return runOverhead(ctx, rest, stdout, stderr)

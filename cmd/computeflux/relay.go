@@ -74,7 +74,7 @@ func isLoopbackListen(addr string) bool {
 func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io.Writer) (relay.Config, relayTLS, error) {
 	var cfg relay.Config
 	var tf relayTLS
-	var p2pListen, token, tokenFile, keysFile, policy string
+	var p2pListen, token, tokenFile, keysFile, clientsFile, policy string
 	var nat natFlags
 	var gossip gossipFlags
 	var logs logFlags
@@ -88,6 +88,11 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.StringVar(&tokenFile, "token-file", "", "`file` holding the agents' join secret")
 	fs.StringVar(&keysFile, "api-keys-file", "", "`file` of client API keys, one per line, # comments")
 	fs.BoolVar(&cfg.NoAuth, "no-auth", false, "serve clients without API keys")
+	fs.StringVar(&clientsFile, "clients-file", "", "YAML `file` naming clients (several keys each) with their weight, class and budget; its keys are accepted too")
+	fs.DurationVar(&cfg.QueueWait, "queue-wait", relay.DefaultQueueWait, "longest wait at the relay for an agent with room, before an overflow tier or 429 (negative: no queue, 503 at once)")
+	fs.DurationVar(&cfg.RestartHold, "restart-hold", relay.DefaultRestartHold, "longest wait of a request that arrives before any agent has joined")
+	fs.IntVar(&cfg.MaxQueued, "max-queued", scheduler.DefaultMaxQueued, "most requests waiting for room in all")
+	fs.IntVar(&cfg.MaxQueuedPerClient, "max-queued-per-client", scheduler.DefaultMaxQueuedPerFlow, "most requests one client may have waiting for room, per model")
 	fs.StringVar(&cfg.AddrFile, "addr-file", "", "write the relay's dialable multiaddrs to this `file` once listening")
 	fs.StringVar(&policy, "policy", "sticky", "routing `policy`: sticky (session affinity, then prompt prefix), or for comparison round-robin, random, least-loaded, consistent-hash, prefix-hash, dualmap, sglang")
 	fs.IntVar(&cfg.MaxAttempts, "max-attempts", relay.DefaultMaxAttempts, "agents tried per request before its first byte")
@@ -148,8 +153,15 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 		}
 		cfg.APIKeys = keys
 	}
-	if len(cfg.APIKeys) == 0 && !cfg.NoAuth {
-		return cfg, tf, errors.New("relay: no client API keys: give --api-keys-file, or --no-auth to serve anyone")
+	if clientsFile != "" {
+		cf, err := relay.LoadClientsFile(clientsFile)
+		if err != nil {
+			return cfg, tf, fmt.Errorf("relay: %w", err)
+		}
+		cfg.Clients = cf
+	}
+	if len(cfg.APIKeys) == 0 && !cfg.NoAuth && (cfg.Clients == nil || len(cfg.Clients.Clients) == 0) {
+		return cfg, tf, errors.New("relay: no client API keys: give --api-keys-file or --clients-file, or --no-auth to serve anyone")
 	}
 	p, err := scheduler.ParsePolicy(policy)
 	if err != nil {
