@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	stdlog "log"
 	"math"
 	"net"
 	"net/http"
@@ -36,6 +35,7 @@ import (
 //	POST /admin/v1/endpoints/{name}/drain     no new requests, in-flight ones finish
 //	POST /admin/v1/endpoints/{name}/undrain   undo drain
 //	POST /admin/v1/endpoints/{name}/weight    {"weight": W}; 0 returns to the declared or file weight
+//	GET  /admin/v1/queue                      the requests waiting for room (QueueStatus)
 //	GET  /status                              the status page (HTML; its data needs the key)
 //	GET  /status.json                         the table plus recent request rate, hit ratio, TTFT
 //
@@ -116,13 +116,16 @@ func (r *Relay) Table() []TableRow {
 		row := TableRow{
 			Name: a.Name, Kind: "agent", Peer: a.Peer.String(), Models: a.Models,
 			Weight: st.weight, WeightSource: st.weightSource, DeclaredWeight: a.Weight, Tier: st.priority,
-			Disabled: st.disabled, Draining: a.Draining || a.Health.Draining || st.draining, Capacity: a.Capacity,
+			Disabled: st.disabled, Draining: a.Health.Draining, Capacity: a.Capacity,
 		}
+		suspect := a.Health.Suspect
 		if s, ok := snaps[a.Name]; ok && !a.Dead {
+			// What the scheduler routes on, as the gauge counts it.
 			fillFromSnapshot(&row, s, cold)
+			row.Draining, suspect = s.Health.Draining, s.Health.Suspect
 		}
 		row.Path, row.RTTMillis = r.agentPath(a.Peer)
-		row.State = rowState(row, a.Dead, a.Health.Suspect)
+		row.State = rowState(row, a.Dead, suspect)
 		rows = append(rows, row)
 	}
 	for _, p := range r.providers.table.Load().list {
@@ -277,6 +280,8 @@ func (r *Relay) AdminHandler() http.Handler {
 		writeJSON(w, http.StatusOK, map[string]any{"endpoints": r.Table()})
 	}))
 	mux.HandleFunc("POST /admin/v1/endpoints/{name}/{action}", r.admin(r.serveAdminAction))
+	mux.HandleFunc("GET /admin/v1/usage", r.admin(r.serveUsage))
+	mux.HandleFunc("GET /admin/v1/queue", r.admin(r.serveQueueStatus)) // queue_admin.go
 	mux.HandleFunc("GET /status", r.status(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/html; charset=utf-8")
 		w.Header().Set("Cache-Control", "no-store")
@@ -389,17 +394,26 @@ func (r *Relay) serveAdmin() (stop func(), err error) {
 	if err != nil {
 		return nil, fmt.Errorf("relay: admin listen: %w", err)
 	}
+	return r.serveAdminOn(ln), nil
+}
+
+// serveAdminOn serves the admin API on ln until the returned function
+// stops it. Serving that stops on its own (the listener failed) is logged:
+// the admin API and status page are gone while the relay serves on.
+func (r *Relay) serveAdminOn(ln net.Listener) (stop func()) {
 	r.adminAddr.Store(ln.Addr().String())
 	srv := &http.Server{
 		Handler:           r.AdminHandler(),
 		ReadHeaderTimeout: r.cfg.ReadHeaderTimeout,
 		MaxHeaderBytes:    r.cfg.MaxHeaderBytes,
-		ErrorLog:          stdlog.New(r.log.With().Str("source", "admin-http").Logger(), "", 0),
+		ErrorLog:          r.serverLog("admin-http"),
 	}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		_ = srv.Serve(ln)
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			r.log.Error().Err(err).Str("addr", ln.Addr().String()).Msg("relay admin stopped serving: no admin API or status page until the relay restarts")
+		}
 	}()
 	r.log.Info().Str("addr", ln.Addr().String()).Bool("status_public", r.cfg.StatusPublic).Bool("admin_api", r.cfg.AdminKey != "").Msg("relay admin listening")
 	return func() {
@@ -409,7 +423,7 @@ func (r *Relay) serveAdmin() (stop func(), err error) {
 			_ = srv.Close()
 		}
 		<-done
-	}, nil
+	}
 }
 
 // AdminAddr returns the admin listener's address once Serve runs it; empty

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"bufio"
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -15,6 +16,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/rs/zerolog"
 
+	"github.com/computeflux/computeflux/relay/ledger"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -184,6 +186,10 @@ type Config struct {
 	// StatusPublic serves the status page and its data without the admin
 	// key (they show no secret). The admin API still needs the key.
 	StatusPublic bool
+	// Ledger, if set, is the usage ledger the admin API's usage route
+	// reads; the caller opens and closes it. Nil means no ledger: the
+	// route answers 404.
+	Ledger *ledger.Ledger
 	// Clock measures latencies. Nil means the real clock.
 	Clock scheduler.Clock
 	// Logger receives one line per request and lifecycle events. The zero
@@ -194,6 +200,11 @@ type Config struct {
 	// buffered writer while lifecycle events go out at once. Nil means
 	// Logger.
 	RequestLogger *zerolog.Logger
+
+	// noLiveness turns the request path's liveness checks (acks and
+	// probes, liveness.go) off, so that a test sees gossip's own failure
+	// detection. Set by tests only (export_test.go).
+	noLiveness bool
 }
 
 // realClock is the wall clock.
@@ -203,51 +214,25 @@ func (realClock) Now() time.Time { return time.Now() }
 
 // populate returns cfg with defaults filled in.
 func populate(cfg Config) Config {
-	if cfg.Listen == "" {
-		cfg.Listen = DefaultListen
-	}
+	cfg.Listen = cmp.Or(cfg.Listen, DefaultListen)
 	if len(cfg.P2PListen) == 0 {
 		cfg.P2PListen = append([]string(nil), DefaultP2PListen...)
 	}
-	if cfg.MaxAttempts == 0 {
-		cfg.MaxAttempts = DefaultMaxAttempts
-	}
-	if cfg.TTFBTimeout == 0 {
-		cfg.TTFBTimeout = DefaultTTFBTimeout
-	}
-	if cfg.IdleTimeout == 0 {
-		cfg.IdleTimeout = DefaultIdleTimeout
-	}
-	if cfg.MaxBodyBytes == 0 {
-		cfg.MaxBodyBytes = DefaultMaxBodyBytes
-	}
-	if cfg.ReadHeaderTimeout == 0 {
-		cfg.ReadHeaderTimeout = DefaultReadHeaderTimeout
-	}
-	if cfg.MaxHeaderBytes == 0 {
-		cfg.MaxHeaderBytes = DefaultMaxHeaderBytes
-	}
-	if cfg.ShutdownTimeout == 0 {
-		cfg.ShutdownTimeout = DefaultShutdownTimeout
-	}
-	if cfg.Clock == nil {
+	cfg.MaxAttempts = cmp.Or(cfg.MaxAttempts, DefaultMaxAttempts)
+	cfg.TTFBTimeout = cmp.Or(cfg.TTFBTimeout, DefaultTTFBTimeout)
+	cfg.IdleTimeout = cmp.Or(cfg.IdleTimeout, DefaultIdleTimeout)
+	cfg.MaxBodyBytes = cmp.Or(cfg.MaxBodyBytes, DefaultMaxBodyBytes)
+	cfg.ReadHeaderTimeout = cmp.Or(cfg.ReadHeaderTimeout, DefaultReadHeaderTimeout)
+	cfg.MaxHeaderBytes = cmp.Or(cfg.MaxHeaderBytes, DefaultMaxHeaderBytes)
+	cfg.ShutdownTimeout = cmp.Or(cfg.ShutdownTimeout, DefaultShutdownTimeout)
+	if cfg.Clock == nil { // not cmp.Or: a Clock need not be comparable
 		cfg.Clock = realClock{}
 	}
-	if cfg.IndexCutoff == 0 {
-		cfg.IndexCutoff = DefaultIndexCutoff
-	}
-	if cfg.QueueWait == 0 {
-		cfg.QueueWait = DefaultQueueWait
-	}
-	if cfg.RestartHold == 0 {
-		cfg.RestartHold = DefaultRestartHold
-	}
-	if cfg.MaxAgentWeight == 0 {
-		cfg.MaxAgentWeight = DefaultMaxAgentWeight
-	}
-	if cfg.AdminListen == "" {
-		cfg.AdminListen = DefaultAdminListen
-	}
+	cfg.IndexCutoff = cmp.Or(cfg.IndexCutoff, DefaultIndexCutoff)
+	cfg.MaxAgentWeight = cmp.Or(cfg.MaxAgentWeight, DefaultMaxAgentWeight)
+	cfg.AdminListen = cmp.Or(cfg.AdminListen, DefaultAdminListen)
+	cfg.QueueWait = cmp.Or(cfg.QueueWait, DefaultQueueWait)
+	cfg.RestartHold = cmp.Or(cfg.RestartHold, DefaultRestartHold)
 	if cfg.Policy != scheduler.PolicySticky {
 		cfg.Scheduler.Policy = cfg.Policy
 	}

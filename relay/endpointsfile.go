@@ -14,6 +14,8 @@ import (
 	"strings"
 
 	yaml "go.yaml.in/yaml/v3"
+
+	"github.com/computeflux/computeflux/relay/ledger"
 )
 
 // DefaultProviderPriority is the tier of a provider endpoint whose entry
@@ -54,6 +56,21 @@ type ProviderSpec struct {
 	MaxConcurrency int
 	// Disabled takes it out of service from the start.
 	Disabled bool
+	// Prices are its prices per million tokens, for the usage ledger's
+	// cost and cache savings; nil means unpriced (no cost recorded).
+	Prices *ledger.Prices
+}
+
+// Prices returns the prices of the priced provider endpoints, by name:
+// what the usage ledger's SetPrices takes.
+func (ef *EndpointsFile) Prices() map[string]ledger.Prices {
+	m := map[string]ledger.Prices{}
+	for _, p := range ef.Endpoints {
+		if p.Prices != nil {
+			m[p.Name] = *p.Prices
+		}
+	}
+	return m
 }
 
 // AgentSetting is the operator's word on one agent, which wins over what
@@ -76,15 +93,24 @@ type fileSpec struct {
 }
 
 type endpointSpec struct {
-	Name           string   `yaml:"name"`
-	URL            string   `yaml:"url"`
-	Keys           []string `yaml:"keys"`
-	KeyFiles       []string `yaml:"key_files"`
-	Models         []string `yaml:"models"`
-	Weight         float64  `yaml:"weight"`
-	Priority       *int     `yaml:"priority"`
-	MaxConcurrency int      `yaml:"max_concurrency"`
-	Disabled       bool     `yaml:"disabled"`
+	Name           string      `yaml:"name"`
+	URL            string      `yaml:"url"`
+	Keys           []string    `yaml:"keys"`
+	KeyFiles       []string    `yaml:"key_files"`
+	Models         []string    `yaml:"models"`
+	Weight         float64     `yaml:"weight"`
+	Priority       *int        `yaml:"priority"`
+	MaxConcurrency int         `yaml:"max_concurrency"`
+	Disabled       bool        `yaml:"disabled"`
+	Prices         *pricesSpec `yaml:"prices"`
+}
+
+// pricesSpec is an endpoint's prices per million tokens; cached_input
+// defaults to input (no discount).
+type pricesSpec struct {
+	Input       *float64 `yaml:"input"`
+	CachedInput *float64 `yaml:"cached_input"`
+	Output      *float64 `yaml:"output"`
 }
 
 type agentSpec struct {
@@ -100,23 +126,33 @@ const maxEndpointsFileBytes = 4 << 20
 // LoadEndpointsFile reads and parses an endpoints file; key_files are read
 // too. Errors name the file, the line and the field.
 func LoadEndpointsFile(path string) (*EndpointsFile, error) {
-	f, err := os.Open(path)
+	b, err := readConfigFile("endpoints file", path, maxEndpointsFileBytes)
 	if err != nil {
-		return nil, fmt.Errorf("endpoints file: %w", err)
-	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, maxEndpointsFileBytes+1))
-	if err != nil {
-		return nil, fmt.Errorf("endpoints file %s: %w", path, err)
-	}
-	if len(b) > maxEndpointsFileBytes {
-		return nil, fmt.Errorf("endpoints file %s: larger than %d bytes", path, maxEndpointsFileBytes)
+		return nil, err
 	}
 	ef, err := ParseEndpointsFile(b, os.ReadFile)
 	if err != nil {
 		return nil, fmt.Errorf("endpoints file %s: %w", path, err)
 	}
 	return ef, nil
+}
+
+// readConfigFile reads the file of kind (say "endpoints file") at path, up
+// to limit bytes; its errors name the kind and the path.
+func readConfigFile(kind, path string, limit int) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", kind, err)
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, int64(limit)+1))
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w", kind, path, err)
+	}
+	if len(b) > limit {
+		return nil, fmt.Errorf("%s %s: larger than %d bytes", kind, path, limit)
+	}
+	return b, nil
 }
 
 var validName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
@@ -195,6 +231,23 @@ func ParseEndpointsFile(b []byte, readFile func(string) ([]byte, error)) (*Endpo
 		}
 		if es.MaxConcurrency < 0 {
 			return nil, fmt.Errorf("%s: must not be negative, got %d", at("max_concurrency"), es.MaxConcurrency)
+		}
+		if ps := es.Prices; ps != nil {
+			atPrice := func(field string) string {
+				return fmt.Sprintf("line %d: endpoints[%d] (%q): prices", lines.nested("endpoints", i, "prices", field), i, es.Name)
+			}
+			if ps.Input == nil || ps.Output == nil {
+				return nil, fmt.Errorf("%s: give input and output (per million tokens; cached_input defaults to input)", atPrice("input"))
+			}
+			pr := ledger.Prices{Input: *ps.Input, CachedInput: *ps.Input, Output: *ps.Output}
+			if ps.CachedInput != nil {
+				pr.CachedInput = *ps.CachedInput
+			}
+			if err := pr.Validate(); err != nil {
+				field, _, _ := strings.Cut(err.Error(), ":")
+				return nil, fmt.Errorf("%s: %w", atPrice(field), err)
+			}
+			p.Prices = &pr
 		}
 		out.Endpoints = append(out.Endpoints, p)
 	}
@@ -286,7 +339,8 @@ func cleanYAMLError(err error) error {
 	msg = strings.ReplaceAll(msg, "\n  ", "; ")
 	r := strings.NewReplacer("in type relay.endpointSpec", "in an endpoint", "in type relay.agentSpec", "in an agent",
 		"in type relay.fileSpec", "at the top level (want endpoints, agents)", "into relay.fileSpec", "into the file's top level",
-		"into []relay.endpointSpec", "into endpoints (want a list)", "into []relay.agentSpec", "into agents (want a list)")
+		"into []relay.endpointSpec", "into endpoints (want a list)", "into []relay.agentSpec", "into agents (want a list)",
+		"in type relay.pricesSpec", "in prices (want input, cached_input, output)", "into relay.pricesSpec", "into prices (want a mapping)")
 	return errors.New(r.Replace(msg))
 }
 
@@ -312,6 +366,29 @@ func (l fileLines) of(list string, i int, field string) int {
 		}
 	}
 	return item.Line
+}
+
+// nested returns the line of sub in the mapping field of item i of list,
+// or of field itself when sub is absent; 0 if unknown.
+func (l fileLines) nested(list string, i int, field, sub string) int {
+	doc := l.root
+	if doc == nil || len(doc.Content) == 0 {
+		return 0
+	}
+	seq := mapValue(doc.Content[0], list)
+	if seq == nil || seq.Kind != yaml.SequenceNode || i >= len(seq.Content) {
+		return 0
+	}
+	m := mapValue(seq.Content[i], field)
+	if m == nil {
+		return l.of(list, i, field)
+	}
+	for j := 0; j+1 < len(m.Content); j += 2 {
+		if m.Content[j].Value == sub {
+			return m.Content[j].Line
+		}
+	}
+	return l.of(list, i, field)
 }
 
 func mapValue(m *yaml.Node, key string) *yaml.Node {

@@ -183,15 +183,66 @@ func TestSilentAgentEndsStreamWithErrorEvent(t *testing.T) {
 	t.Logf("silent agent's stream ended with an error event %v after its last event", gap)
 }
 
+// An agent whose pings go unanswered but whose answers keep coming is not
+// silent: bytes of an answer are a sign of life as good as an echo (a
+// busy connection may hold a new ping stream back). Its stream, longer
+// than the silence bound, ends with [DONE].
+func TestStreamingAgentWithoutEchoIsNotSilent(t *testing.T) {
+	rl := startRelayLogger(t, zerolog.New(io.Discard))
+	h := newHostOpts(t, libp2p.Ping(false)) // no echo, ever
+	relayID := rl.info().ID
+	const events = 15 // 3 s at one event per 200 ms, twice silentAfter
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		tick := time.NewTicker(200 * time.Millisecond)
+		defer tick.Stop()
+		for range events {
+			_, _ = io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n")
+			w.(http.Flusher).Flush()
+			select {
+			case <-tick.C:
+			case <-r.Context().Done():
+				return
+			}
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	})
+	srv, err := transport.ServeHTTP(h, handler, func(p peer.ID) bool { return p == relayID })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	joinHost(t, rl, h, "streaming")
+	waitAgents(t, rl, "streaming")
+
+	c := newClient(t, rl.url)
+	resp, err := c.post("/v1/chat/completions", `{"model":"m1","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(string(b), `"content":"hi"`); n != events || !strings.HasSuffix(strings.TrimSpace(string(b)), "data: [DONE]") {
+		t.Fatalf("%d of %d events, then %q", n, events, b[max(0, len(b)-120):])
+	}
+}
+
 // Detection of a silent agent with no request in flight, through package
 // agent: each run kills one agent by dropping its packets, half of them
 // right after it joined, and measures until the relay routes around it.
-// The figures are reported; the test fails only if the relay never
-// notices. Two runs by default; COMPUTEFLUX_LIVENESS_MEASURE=1 makes ten.
+// The relay's idle probe finds it: at most the idle silence bound after its
+// last echo, and a probe interval more for a probe in flight; one more
+// probe interval is room for a loaded machine. Gossip (the home preset)
+// would take about 11 s. Two runs by default;
+// COMPUTEFLUX_LIVENESS_MEASURE=1 makes ten.
 func TestSilentIdleAgentDetection(t *testing.T) {
 	if testing.Short() {
 		t.Skip("kills agents over QUIC")
 	}
+	t.Parallel() // waits on the liveness timers, in its own cluster
 	ctx := context.Background()
 	cl, err := relaytest.Start(ctx, relaytest.Config{Engines: 2, Engine: simengine.Config{TimeScale: 100}})
 	if err != nil {
@@ -202,6 +253,7 @@ func TestSilentIdleAgentDetection(t *testing.T) {
 	if os.Getenv("COMPUTEFLUX_LIVENESS_MEASURE") != "" {
 		runs = 10
 	}
+	bound := relay.IdleSilentAfter + 2*relay.IdleProbeInterval
 	var took []time.Duration
 	for run := range runs {
 		i := 1
@@ -219,6 +271,7 @@ func TestSilentIdleAgentDetection(t *testing.T) {
 		if err := cl.KillAgent(i); err != nil {
 			t.Fatal(err)
 		}
+		// Polled past the bound, so that a failure says how long it took.
 		for !suspectOrGone(cl.Relay().Scheduler(), name) {
 			if time.Since(killed) > 30*time.Second {
 				t.Fatalf("run %d: the relay still routes to %s 30 s after it died", run, name)
@@ -226,6 +279,10 @@ func TestSilentIdleAgentDetection(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 		}
 		took = append(took, time.Since(killed))
+		if d := took[len(took)-1]; d > bound {
+			t.Errorf("run %d: the relay routed around silent %s after %v, want within %v (silence bound %v + 2 probe intervals of %v)",
+				run, name, d.Round(time.Millisecond), bound, relay.IdleSilentAfter, relay.IdleProbeInterval)
+		}
 		if run%2 == 0 {
 			if err := cl.RestartAgent(ctx, i); err != nil {
 				t.Fatal(err)
@@ -234,8 +291,8 @@ func TestSilentIdleAgentDetection(t *testing.T) {
 	}
 	sorted := slices.Clone(took)
 	slices.Sort(sorted)
-	t.Logf("silent idle agent out of routing after: median %v, worst %v (runs %v; odd runs killed right after joining)",
-		sorted[len(sorted)/2].Round(time.Millisecond), sorted[len(sorted)-1].Round(time.Millisecond), took)
+	t.Logf("silent idle agent out of routing after: median %v, worst %v (runs %v; odd runs killed right after joining; bound %v)",
+		sorted[len(sorted)/2].Round(time.Millisecond), sorted[len(sorted)-1].Round(time.Millisecond), took, bound)
 }
 
 func suspectOrGone(s *scheduler.Scheduler, id string) bool {

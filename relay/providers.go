@@ -184,6 +184,9 @@ func (ps *providerSet) apply(ctx context.Context, ef *EndpointsFile) error {
 
 	r.ops.setFile(ef.Agents, names)
 	ps.table.Store(next)
+	if r.cfg.Ledger != nil {
+		r.cfg.Ledger.SetPrices(ef.Prices())
+	}
 	for _, p := range next.list {
 		ps.upsert(p)
 	}

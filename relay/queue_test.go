@@ -133,6 +133,11 @@ func TestQueueFairOrder(t *testing.T) {
 	}
 	done = append(done, tb.send(ctx, "sk-light", ""))
 	tb.waitQueued(6)
+	st := tb.relay.QueueStatus()
+	if !st.Enabled || st.Waiting != 6 || len(st.Flows) != 2 || st.Flows[0].Client != "heavy" || st.Flows[0].Queued != 5 ||
+		st.Flows[1].Client != "light" || st.Flows[1].Model != "m1" || st.Flows[1].Class != "interactive" {
+		t.Fatalf("queue status %+v", st)
+	}
 	for range 7 {
 		g.release <- struct{}{}
 	}

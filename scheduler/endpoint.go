@@ -41,8 +41,13 @@ type Health struct {
 	// follow-ups; requests in flight finish normally.
 	Draining bool
 	// Running and Waiting are the engine's running and queued requests.
+	// Zero is also how an engine whose load is not known (no figures, or
+	// stale ones) is reported: the load is then the scheduler's own
+	// in-flight count and sessions alone.
 	Running, Waiting int
-	// KVCacheUsage is the engine's KV-cache usage, 0..1.
+	// KVCacheUsage is the engine's KV-cache usage, 0..1. Zero is also "not
+	// known": an engine is taken as saturated only on a reported queue and
+	// a reported full cache.
 	KVCacheUsage float64
 }
 
@@ -297,6 +302,12 @@ func normalizeHealth(h Health) Health {
 	}
 	h.KVCacheUsage = min(h.KVCacheUsage, 1)
 	return h
+}
+
+// routable reports whether e serves a model and is neither disabled,
+// draining nor suspect (see Scheduler.Routable).
+func (e *endpoint) routable() bool {
+	return len(e.models) > 0 && !e.disabled && !e.removed && !e.health.Draining && !e.health.Suspect
 }
 
 // plain reports whether e takes a request with no further check: enabled,

@@ -31,6 +31,7 @@ const (
 	metaFlagDraining    = 0x04
 	metaFlagUnavailable = 0x08
 	metaFlagDigest      = 0x10 // models sent as count + digest only
+	metaFlagLoadUnknown = 0x20 // Running, Waiting and KVCacheUsage not known
 )
 
 // ErrMetaTooLarge is returned by EncodeMeta when the metadata does not fit the
@@ -95,8 +96,18 @@ type NodeMeta struct {
 	Draining bool
 	// Unavailable is set when the agent cannot reach its engine.
 	Unavailable bool
+	// LoadUnknown is set when the agent has no current figures of its
+	// engine's load: the engine reports none, or its last good /metrics
+	// read is too old. Running, Waiting and KVCacheUsage are then 0 and
+	// mean nothing; InFlight still holds. Decoders older than the flag
+	// ignore it and see zeros, which they take as "no data" as well.
+	LoadUnknown bool
 	// Seq grows with every published change; set by Gossip.
 	Seq uint64
+	// Panics counts the request handlers' panics the member's servers
+	// recovered since it started (see ServerLog). Appended to the version-1
+	// fields: 0 from a member that predates it.
+	Panics uint64
 }
 
 // ModelsDigest returns the digest carried in place of a model list that does
@@ -166,6 +177,9 @@ func appendMeta(b []byte, m NodeMeta, models []string, digest bool) []byte {
 	if m.Unavailable {
 		flags |= metaFlagUnavailable
 	}
+	if m.LoadUnknown {
+		flags |= metaFlagLoadUnknown
+	}
 	if digest {
 		flags |= metaFlagDigest
 	}
@@ -180,13 +194,14 @@ func appendMeta(b []byte, m NodeMeta, models []string, digest bool) []byte {
 	b = binary.AppendUvarint(b, uint64(len(models)))
 	if digest {
 		d := ModelsDigest(models)
-		return append(b, d[:]...)
+		b = append(b, d[:]...)
+		return binary.AppendUvarint(b, m.Panics)
 	}
 	for _, s := range models {
 		b = binary.AppendUvarint(b, uint64(len(s)))
 		b = append(b, s...)
 	}
-	return b
+	return binary.AppendUvarint(b, m.Panics)
 }
 
 func kvToWire(f float64) uint16 {
@@ -219,6 +234,7 @@ func DecodeMeta(b []byte) (NodeMeta, error) {
 	m.Role = NodeRole(flags & metaFlagRoleMask)
 	m.Draining = flags&metaFlagDraining != 0
 	m.Unavailable = flags&metaFlagUnavailable != 0
+	m.LoadUnknown = flags&metaFlagLoadUnknown != 0
 	m.ModelsTruncated = flags&metaFlagDigest != 0
 	m.Seq = d.uvarint(math.MaxUint64)
 	m.Name = d.str()
@@ -252,6 +268,9 @@ func DecodeMeta(b []byte) (NodeMeta, error) {
 			m.Models = append(m.Models, s)
 		}
 		m.ModelsDigest = ModelsDigest(m.Models)
+	}
+	if d.err == nil && len(d.b) > 0 {
+		m.Panics = d.uvarint(math.MaxUint64)
 	}
 	if d.err != nil {
 		return NodeMeta{}, d.err
@@ -313,12 +332,13 @@ func (d *wireDecoder) str() string {
 }
 
 // metaSignificant reports whether next differs from prev enough to publish at
-// once: any change of identity, models, capacity or flags, a load change of
+// once: any change of identity, models, capacity, flags or panics, a load change of
 // at least 2 requests or 20%, or a KV-cache usage change of 0.05 or more.
 // Smaller changes wait for the periodic refresh.
 func metaSignificant(prev, next NodeMeta) bool {
 	if prev.Role != next.Role || prev.Name != next.Name || prev.Capacity != next.Capacity ||
 		prev.Draining != next.Draining || prev.Unavailable != next.Unavailable ||
+		prev.LoadUnknown != next.LoadUnknown || prev.Panics != next.Panics ||
 		!slices.Equal(normalizeModels(prev.Models), normalizeModels(next.Models)) {
 		return true
 	}
@@ -340,5 +360,5 @@ func metaEqual(a, b NodeMeta) bool {
 	return a.Role == b.Role && a.Name == b.Name && a.Capacity == b.Capacity &&
 		a.InFlight == b.InFlight && a.Running == b.Running && a.Waiting == b.Waiting &&
 		kvToWire(a.KVCacheUsage) == kvToWire(b.KVCacheUsage) && a.Draining == b.Draining &&
-		a.Unavailable == b.Unavailable && slices.Equal(normalizeModels(a.Models), normalizeModels(b.Models))
+		a.Unavailable == b.Unavailable && a.LoadUnknown == b.LoadUnknown && slices.Equal(normalizeModels(a.Models), normalizeModels(b.Models))
 }

@@ -2,11 +2,8 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
-	"os"
-	"strings"
 	"time"
 
 	"github.com/computeflux/computeflux/cmd/computeflux/internal/chaos"
@@ -18,11 +15,8 @@ import (
 // prints both.
 func runBenchOverload(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	cfg := chaos.OverloadConfig{}
-	var scenario string
 	var quiet, compare bool
-	fs := flag.NewFlagSet("bench --scenario overload", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.StringVar(&scenario, "scenario", "overload", "overload")
+	fs := liveFlagSet("overload", stderr, &quiet)
 	fs.IntVar(&cfg.Engines, "engines", chaos.DefaultOverloadEngines, "sim engines, each with its agent")
 	fs.IntVar(&cfg.Slots, "max-running", chaos.DefaultOverloadSlots, "each engine's batch")
 	fs.IntVar(&cfg.Relays, "relays", 1, "relays (1 or 2; with 2 the light client uses the first, the heavy ones the second)")
@@ -35,17 +29,10 @@ func runBenchOverload(ctx context.Context, args []string, stdout, stderr io.Writ
 	fs.BoolVar(&cfg.Weighted, "weighted", false, "add a phase of two heavy clients of weights 2 and 1")
 	fs.BoolVar(&cfg.RestartRelay, "restart-relay", false, "with --relays 2: kill the first relay under load and start it again")
 	fs.BoolVar(&compare, "compare", false, "run the fleet without a queue (--queue-wait=-1s, --dispatch-limit=-1) first, side by side")
-	fs.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
 	timeout := fs.Duration("timeout", 10*time.Minute, "bound on the whole run")
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
-	}
-	bin, err := os.Executable()
+	bin, err := parseLive(fs, args)
 	if err != nil {
-		return fmt.Errorf("bench: overload: %w", err)
+		return err
 	}
 	cfg.Binary = bin
 	if !quiet {
@@ -75,19 +62,4 @@ func runBenchOverload(ctx context.Context, args []string, stdout, stderr io.Writ
 		fmt.Fprintln(stdout)
 	}
 	return nil
-}
-
-// namedScenario returns the live scenario a bench command line names
-// (chaos, overload), or "".
-func namedScenario(args []string) string {
-	for i, a := range args {
-		v, ok := strings.CutPrefix(strings.TrimLeft(a, "-"), "scenario=")
-		if !ok && strings.TrimLeft(a, "-") == "scenario" && i+1 < len(args) {
-			v, ok = args[i+1], true
-		}
-		if ok && (v == "chaos" || v == "overload") {
-			return v
-		}
-	}
-	return ""
 }

@@ -31,6 +31,7 @@ var commands = []command{
 	{"version", "print the version and the commit the binary was built from", runVersion},
 	{"status", "print a relay's routing table (agents and provider endpoints) from its admin API", runStatus},
 	{"admin", "disable, enable, drain or weigh an endpoint through a relay's admin API", runAdmin},
+	{"usage", "print who used and who served what since a time, with cache savings, from a relay's admin API", runUsage},
 }
 
 func main() {

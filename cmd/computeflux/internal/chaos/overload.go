@@ -129,6 +129,10 @@ type ClientFigures struct {
 	// Done is how many answers ended whole; Tokens their completion
 	// tokens (from the answers' usage).
 	Done, Tokens int
+	// Streamed is the content tokens received while the phase was
+	// measured, whichever answer they belong to: the client's share of
+	// the fleet's throughput.
+	Streamed int
 	// Failed counts answers that did not end whole, by status ("429",
 	// "503", "cut", "error event", ...).
 	Failed map[string]int
@@ -176,8 +180,9 @@ func (r *OverloadResult) Write(w io.Writer) {
 	if r.Config.Weighted {
 		row("heavy weight 2", r.HeavyTwo)
 		row("heavy weight 1", r.HeavyOne)
-		if r.HeavyOne.Tokens > 0 {
-			fmt.Fprintf(w, "weighted share: %.2f : 1 in tokens\n", float64(r.HeavyTwo.Tokens)/float64(r.HeavyOne.Tokens))
+		if r.HeavyOne.Streamed > 0 {
+			fmt.Fprintf(w, "weighted share: %.2f : 1 in tokens streamed (%d and %d)\n",
+				float64(r.HeavyTwo.Streamed)/float64(r.HeavyOne.Streamed), r.HeavyTwo.Streamed, r.HeavyOne.Streamed)
 		}
 	}
 	if r.Config.RestartRelay {
@@ -254,7 +259,7 @@ func (c *overloadCluster) start() error {
 		}
 	}
 	for i := range c.cfg.Engines {
-		e, err := start(fmt.Sprintf("engine-%d", i), c.cfg.Binary, c.cfg.Echo, "sim-engine",
+		e, err := startWith(fmt.Sprintf("engine-%d", i), c.cfg.Binary, procOptions{Echo: c.cfg.Echo}, "sim-engine",
 			"--listen", "127.0.0.1:0", "--max-running", fmt.Sprint(c.cfg.Slots), "--log-format", "json")
 		if err != nil {
 			return err
@@ -270,7 +275,7 @@ func (c *overloadCluster) start() error {
 		for _, ma := range c.relayMA {
 			args = append(args, "--relay", ma)
 		}
-		a, err := start(agentName(i), c.cfg.Binary, c.cfg.Echo, append(args, c.cfg.AgentArgs...)...)
+		a, err := startWith(agentName(i), c.cfg.Binary, procOptions{Echo: c.cfg.Echo}, append(args, c.cfg.AgentArgs...)...)
 		if err != nil {
 			return err
 		}
@@ -299,7 +304,7 @@ func (c *overloadCluster) startRelay(i int, listen string) error {
 		"--identity", filepath.Join(c.dir, fmt.Sprintf("relay-%d.key", i)), "--token-file", filepath.Join(c.dir, "token"),
 		"--clients-file", filepath.Join(c.dir, "clients.yaml"), "--addr-file", addrFile, "--log-format", "json"},
 		c.cfg.RelayArgs...)
-	p, err := start(fmt.Sprintf("relay-%d", i), c.cfg.Binary, c.cfg.Echo, args...)
+	p, err := startWith(fmt.Sprintf("relay-%d", i), c.cfg.Binary, procOptions{Echo: c.cfg.Echo}, args...)
 	if err != nil {
 		return err
 	}
@@ -371,6 +376,13 @@ func (t *tally) add(ttft time.Duration, tokens int, failure string) {
 	t.f.Tokens += tokens
 }
 
+// streamed counts one token received.
+func (t *tally) streamed() {
+	t.mu.Lock()
+	t.f.Streamed++
+	t.mu.Unlock()
+}
+
 func (t *tally) figures() ClientFigures {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -383,6 +395,12 @@ func (t *tally) figures() ClientFigures {
 // its time to first token, its completion tokens, or why it failed. Only
 // answers that end inside [from, to) count; tally may be nil.
 func (c *overloadCluster) ask(ctx context.Context, relay int, client string, maxTokens, n int) (ttft time.Duration, tokens int, failure string) {
+	return c.askStream(ctx, relay, client, maxTokens, n, nil)
+}
+
+// askStream is ask calling onToken (when not nil) for every content chunk
+// as it arrives.
+func (c *overloadCluster) askStream(ctx context.Context, relay int, client string, maxTokens, n int, onToken func()) (ttft time.Duration, tokens int, failure string) {
 	body, _ := json.Marshal(map[string]any{
 		"model": "computeflux-sim", "stream": true, "max_tokens": maxTokens,
 		"stream_options": map[string]any{"include_usage": true},
@@ -431,8 +449,13 @@ func (c *overloadCluster) ask(ctx context.Context, relay int, client string, max
 				} `json:"usage"`
 			}
 			if json.Unmarshal([]byte(data), &ev) == nil {
-				if ttft == 0 && len(ev.Choices) > 0 && ev.Choices[0].Delta.Content != "" {
-					ttft = time.Since(start)
+				if len(ev.Choices) > 0 && ev.Choices[0].Delta.Content != "" {
+					if ttft == 0 {
+						ttft = time.Since(start)
+					}
+					if onToken != nil {
+						onToken()
+					}
 				}
 				if ev.Usage != nil {
 					tokens = ev.Usage.CompletionTokens
@@ -461,7 +484,11 @@ func (c *overloadCluster) heavy(ctx context.Context, relay int, client string, s
 				if sp := c.cfg.HeavySpread; sp > 0 {
 					tokens = max(1, int(float64(tokens)*(1-sp+2*sp*rng.Float64())))
 				}
-				ttft, tokens, failure := c.ask(ctx, relay, client, tokens, s*100000+n)
+				ttft, tokens, failure := c.askStream(ctx, relay, client, tokens, s*100000+n, func() {
+					if window() {
+						t.streamed()
+					}
+				})
 				if failure == "cancelled" || !window() {
 					continue
 				}
