@@ -33,6 +33,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	if cfg.Sweep.Enabled {
+		return runSweep(ctx, cfg, scenarios, asJSON, stdout)
+	}
 	var reports []*bench.Report
 	for _, sc := range scenarios {
 		c := cfg
@@ -118,7 +121,14 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.IntVar(&cfg.Engine.CacheBlocks, "cache-blocks", simengine.DefaultCacheBlocks, "each engine's prefix cache in 16-token blocks")
 	fs.Float64Var(&cfg.Engine.PrefillTokensPerSec, "prefill-tokens-per-sec", simengine.DefaultPrefillTokensPerSec, "each engine's prompt throughput")
 	fs.IntVar(&cfg.Engine.MaxRunning, "max-running", simengine.DefaultMaxRunning, "sequences each engine batches")
-	fs.IntVar(&cfg.Capacity, "capacity", 0, "concurrency each agent announces to the scheduler (0: unlimited)")
+	fs.IntVar(&cfg.Capacity, "capacity", 0, "concurrency each agent announces to the scheduler (0: unlimited; sim: replaces --dispatch-limit)")
+	fs.IntVar(&cfg.DispatchLimit, "dispatch-limit", 0, "sim: requests each agent gives its engine at once; the rest wait in the relay's fair queue (0: the engine's batch, --max-running; -1: none, and no queue)")
+	// The capacity sweep (sweep.go, benchsweep.go).
+	fs.BoolVar(&cfg.Sweep.Enabled, "sweep", false, "sim, with --trace: replay the trace at rising speeds and report each policy's highest speed whose TTFT p90 holds --slo, with the goodput at each speed tried")
+	fs.DurationVar(&cfg.Sweep.SLO, "slo", bench.DefaultSLO, "--sweep: the bound on TTFT p90; 2s is twice the time the conversation trace's p90 prompt takes to prefill cold on an idle default engine")
+	fs.Float64Var(&cfg.Sweep.Start, "sweep-start", bench.DefaultSweepStart, "--sweep: the first trace speed; doubled while the SLO holds, halved while it does not")
+	fs.Float64Var(&cfg.Sweep.Max, "sweep-max", bench.DefaultSweepMax, "--sweep: the highest trace speed tried")
+	fs.IntVar(&cfg.Sweep.Bisect, "sweep-bisect", bench.DefaultSweepBisect, "--sweep: bisections of the last bracket of speeds (-1: none)")
 	if err := fs.Parse(args); err != nil {
 		return cfg, nil, false, "", err
 	}

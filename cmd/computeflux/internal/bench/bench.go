@@ -157,8 +157,18 @@ type Config struct {
 	// Engine configures every engine (its Seed is set to Seed so that all
 	// engines give the same answers). Zero fields mean simengine's defaults.
 	Engine simengine.EngineConfig
-	// Capacity is the concurrency each agent announces (0: unlimited).
+	// Capacity is the concurrency each agent announces (0: unlimited;
+	// sim: the dispatch limit, see DispatchLimit).
 	Capacity int
+	// DispatchLimit is, in sim mode, how many requests each agent gives
+	// its engine at once, announced to the scheduler as its capacity; the
+	// rest wait in the relay's fair queue (simqueue.go). 0 means the
+	// engine's batch (Engine.MaxRunning); a positive Capacity replaces
+	// it; negative means no queue: every request goes to an engine at
+	// once, and fails if Capacity is set and every agent is full.
+	DispatchLimit int
+	// Sweep configures RunSweep (sweep.go); Run ignores it.
+	Sweep SweepConfig
 	// MaxAttempts is the relay's tries per request. Default 3, as the relay.
 	MaxAttempts int
 	// Scheduler tunes the scheduler; Policy, Clock and Seed are set per run.

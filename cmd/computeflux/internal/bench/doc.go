@@ -34,7 +34,11 @@
 // as the relay does. The relay's retries are modelled (a killed agent's
 // requests that have not started streaming are picked again, up to
 // MaxAttempts); network time is not. The scheduler's own cost is measured
-// in wall time around Pick and Report and reported per request.
+// in wall time around Pick and Report and reported per request. As in the
+// product, each agent takes at most its dispatch limit (its engine's batch
+// by default) and a request that finds every agent full waits in its
+// relay's fair queue until a slot frees (simqueue.go); every policy runs
+// with the same limits and queue.
 //
 // # Scenarios
 //

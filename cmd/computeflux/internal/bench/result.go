@@ -22,6 +22,8 @@ type record struct {
 	failed      bool
 	why         string        // why it failed
 	first, done time.Duration // from the run's start
+	wait        time.Duration // time waited in the relay's queue (sim)
+	waited      bool          // it waited there
 }
 
 // Quantiles are latency percentiles in milliseconds of model time.
@@ -57,6 +59,10 @@ type Result struct {
 	// per engine (every engine of the cluster counts, also idle ones).
 	Imbalance float64 `json:"load_imbalance"`
 	PerEngine []int   `json:"requests_per_engine"`
+	// Queued counts the requests that waited in the relay's queue for an
+	// agent with room, and QueueWait is the wait of those (sim mode).
+	Queued    int        `json:"queued,omitempty"`
+	QueueWait *Quantiles `json:"queue_wait,omitempty"`
 	// Decision is the scheduler's own time per request (Pick plus Report,
 	// wall clock, in microseconds); sim mode only.
 	Decision *Micros `json:"decision_us,omitempty"`
@@ -77,9 +83,12 @@ type Result struct {
 // summarize turns records into a Result.
 func summarize(policy, scenario, mode string, recs []record, engines int) Result {
 	r := Result{Policy: policy, Scenario: scenario, Mode: mode, Requests: len(recs), PerEngine: make([]int, engines)}
-	var ttft, e2e []time.Duration
+	var ttft, e2e, waits []time.Duration
 	var first, last time.Duration = -1, 0
 	for _, rc := range recs {
+		if rc.waited {
+			waits = append(waits, rc.wait)
+		}
 		if rc.failed {
 			r.Errors++
 			if r.ErrorCauses == nil {
@@ -111,6 +120,10 @@ func summarize(policy, scenario, mode string, recs []record, engines int) Result
 		r.TokPerSec = float64(r.OutputTokens) / span
 	}
 	r.Imbalance = imbalance(r.PerEngine)
+	if r.Queued = len(waits); r.Queued > 0 {
+		q := quantiles(waits)
+		r.QueueWait = &q
+	}
 	return r
 }
 
@@ -194,10 +207,13 @@ func (rp *Report) StickyShare() (float64, bool) {
 }
 
 // WriteJSON writes the report as indented JSON.
-func (rp *Report) WriteJSON(w io.Writer) error {
+func (rp *Report) WriteJSON(w io.Writer) error { return writeJSON(w, rp) }
+
+// writeJSON writes v as indented JSON.
+func writeJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
-	return enc.Encode(rp)
+	return enc.Encode(v)
 }
 
 // WriteTable writes the report as an aligned text table.
@@ -245,6 +261,12 @@ func (rp *Report) WriteTable(w io.Writer) error {
 			for _, k := range slices.Sorted(maps.Keys(r.ErrorCauses)) {
 				fmt.Fprintf(&b, " %d× %s;", r.ErrorCauses[k], k)
 			}
+		}
+	}
+	for _, r := range rp.Results {
+		if r.QueueWait != nil {
+			fmt.Fprintf(&b, "\n%s: %d requests waited in the relay's queue, wait p50 %.0f p95 %.0f p99 %.0f ms",
+				r.Policy, r.Queued, r.QueueWait.P50, r.QueueWait.P95, r.QueueWait.P99)
 		}
 	}
 	for _, r := range rp.Results {

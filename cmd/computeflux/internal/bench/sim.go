@@ -141,6 +141,14 @@ type simCall struct {
 	decision   time.Duration
 	prefix     []uint64 // the relay's PromptBlocks of the request body
 	predicted  int      // the agent index's prediction for prefix (BlockLRU.Insert)
+	why        string   // why its last attempt failed
+	// In the relay's queue (simqueue.go): its flow and cost, its item
+	// while it waits, since when, and how many times it waited.
+	flow     string
+	cost     float64
+	item     *scheduler.QueueItem[*simCall]
+	waitFrom time.Time
+	waits    uint64
 }
 
 // simRun is one policy's discrete-event simulation.
@@ -169,10 +177,25 @@ type simRun struct {
 	// index is set when agents publish their caches to the scheduler's
 	// prefix index (the sticky policy).
 	index bool
+	// The relays' queues (simqueue.go): nil when the dispatch limit is
+	// off. kick marks the relays whose dispatcher should look at its
+	// queue, kicked any; waiters are the waiting requests by record.
+	queues  []*scheduler.Queue[*simCall]
+	kick    []bool
+	kicked  bool
+	waiters map[int]*simCall
+	flows   []string // the queue's flow of each session
 }
 
 // runSim simulates one policy on w.
 func runSim(ctx context.Context, cfg *Config, w *Workload, policy scheduler.Policy) (Result, error) {
+	res, _, err := simulate(ctx, cfg, w, policy)
+	return res, err
+}
+
+// simulate simulates one policy on w and returns its result and what each
+// request measured.
+func simulate(ctx context.Context, cfg *Config, w *Workload, policy scheduler.Policy) (Result, []record, error) {
 	wall := time.Now()
 	r := &simRun{
 		cfg:   cfg,
@@ -187,17 +210,20 @@ func runSim(ctx context.Context, cfg *Config, w *Workload, policy scheduler.Poli
 	sc.Policy, sc.Clock, sc.Seed = policy, r.clock, int64(cfg.Seed)|1
 	var err error
 	if r.sched, err = scheduler.New(sc); err != nil {
-		return Result{}, err
+		return Result{}, nil, err
 	}
 	if err := r.newRelays(sc); err != nil {
-		return Result{}, err
+		return Result{}, nil, err
+	}
+	if err := r.newQueues(); err != nil {
+		return Result{}, nil, err
 	}
 	for i := range cfg.Engines {
 		ec := cfg.Engine
 		ec.Seed = cfg.Seed
 		eng, err := simengine.NewEngine(ec)
 		if err != nil {
-			return Result{}, err
+			return Result{}, nil, err
 		}
 		e := &simEngine{id: engineName(i), eng: eng, flight: make(map[uint64]*simCall)}
 		ecfg := eng.Config()
@@ -233,7 +259,7 @@ func runSim(ctx context.Context, cfg *Config, w *Workload, policy scheduler.Poli
 
 	for steps := 0; len(r.q) > 0; steps++ {
 		if steps%65536 == 0 && ctx.Err() != nil {
-			return Result{}, ctx.Err()
+			return Result{}, nil, ctx.Err()
 		}
 		ev := r.q.pop()
 		if ev.at.After(r.clock.t) {
@@ -252,17 +278,20 @@ func runSim(ctx context.Context, cfg *Config, w *Workload, policy scheduler.Poli
 			r.publish(ev.i)
 		case evBind:
 			r.deliver(ev.i)
+		case evQueueWait:
+			r.waitExpired(ev.i, ev.gen)
 		}
+		r.dispatch()
 	}
 	if err := r.checkDrained(); err != nil {
-		return Result{}, err
+		return Result{}, nil, err
 	}
 	res := summarize(policy.String(), cfg.Scenario.String(), "sim", r.recs, len(r.engines))
 	r.relayTraffic(&res, r.clock.t.Sub(r.start))
 	dq := quantiles(r.decide)
 	res.Decision = &Micros{P50: dq.P50 * 1000, P99: dq.P99 * 1000}
 	res.Wall = time.Since(wall)
-	return res, nil
+	return res, r.recs, nil
 }
 
 func (r *simRun) push(at time.Time, kind uint8, i int, gen uint64) {
@@ -286,7 +315,7 @@ func (r *simRun) setUp(i int, up bool) {
 	e.up = up
 	for _, s := range r.everyScheduler() {
 		if up {
-			s.Upsert(scheduler.Endpoint{ID: e.id, Models: []string{r.cfg.Model}, Capacity: r.cfg.Capacity})
+			s.Upsert(scheduler.Endpoint{ID: e.id, Models: []string{r.cfg.Model}, Capacity: r.cfg.dispatchLimit()})
 			if r.index {
 				// A joining agent publishes a snapshot to every relay;
 				// deltas before it are superseded.
@@ -295,6 +324,9 @@ func (r *simRun) setUp(i int, up bool) {
 		} else {
 			s.Remove(e.id)
 		}
+	}
+	for i := range r.queues {
+		r.kickRelay(i) // room may have come
 	}
 }
 
@@ -425,6 +457,11 @@ func (r *simRun) send(si int) {
 		sess: si, turn: s.turn, rec: len(r.recs), sent: now,
 		req:    &simengine.Request{ID: r.nextID, Tokens: s.tokens, Hashes: s.hashes, MaxTokens: t.MaxTokens},
 		prefix: prefix,
+		// The relay's estimate: prompt and answer (relay/queue.go).
+		cost: float64(len(s.tokens) + min(t.MaxTokens, 4096)),
+	}
+	if r.queues != nil {
+		c.flow = r.flowOf(si)
 	}
 	r.begin(c, ws.Key)
 	r.recs = append(r.recs, record{engine: -1})
@@ -435,46 +472,78 @@ func (r *simRun) send(si int) {
 	r.pick(c)
 }
 
-// pick places c (a first try or a retry) and submits it to its engine.
+// pick places c (a first try or a retry) and submits it to its engine:
+// at once when nothing waits at its relay and the scheduler finds room,
+// else after a wait in the relay's queue (simqueue.go).
 func (r *simRun) pick(c *simCall) {
-	now := r.clock.t
-	why := "retries exhausted"
+	q := r.queueOf(c)
+	if c.why == "" {
+		c.why = "retries exhausted"
+	}
 	for c.attempts < r.cfg.MaxAttempts {
-		t0 := time.Now()
-		ch, err := c.att.Pick()
-		c.decision += time.Since(t0)
-		if err != nil {
-			r.fail(c, "no agent available")
+		if q != nil && q.Waiting(r.cfg.Model) > 0 {
+			r.wait(c) // it would take a waiting request's turn
 			return
 		}
-		c.attempts++
-		c.choice, c.tried = ch, now
-		c.eng = r.engineIndex(ch.EndpointID)
-		e := r.engines[c.eng]
-		err = e.eng.Submit(now, c.req)
-		if err == nil {
-			e.flight[c.req.ID] = c
-			r.calls[c.req.ID] = c
-			r.reschedule(c.eng)
-			if r.index && len(c.prefix) > 0 {
-				// The agent forwards the request: its engine will hold
-				// the prompt.
-				var added, evicted []uint64
-				c.predicted, added, evicted = e.lru.Insert(c.prefix, nil, nil)
-				r.note(c.eng, added, evicted)
+		ch, err := r.choose(c)
+		if err != nil {
+			if q != nil && waitable(err) {
+				r.wait(c)
+			} else {
+				r.fail(c, "no agent available")
 			}
 			return
 		}
-		status := http.StatusServiceUnavailable // the engine's queue is full
-		if !errors.Is(err, simengine.ErrQueueFull) {
-			status = http.StatusBadRequest
+		if q != nil {
+			q.Serving(c.flow, c.cost)
 		}
-		why = err.Error()
-		if !r.report(c, scheduler.Outcome{Status: status}).Retryable() {
+		ok, retry := r.submit(c, ch)
+		if ok {
+			return
+		}
+		if !retry {
 			break
 		}
 	}
-	r.fail(c, why)
+	r.fail(c, c.why)
+}
+
+// choose asks the scheduler for c's next attempt, timing it.
+func (r *simRun) choose(c *simCall) (scheduler.Choice, error) {
+	t0 := time.Now()
+	ch, err := c.att.Pick()
+	c.decision += time.Since(t0)
+	return ch, err
+}
+
+// submit hands c, placed at ch, to its engine. When the engine refuses
+// it, the attempt is reported and submit says whether to try again.
+func (r *simRun) submit(c *simCall, ch scheduler.Choice) (ok, retry bool) {
+	now := r.clock.t
+	c.attempts++
+	c.choice, c.tried = ch, now
+	c.eng = r.engineIndex(ch.EndpointID)
+	e := r.engines[c.eng]
+	err := e.eng.Submit(now, c.req)
+	if err == nil {
+		e.flight[c.req.ID] = c
+		r.calls[c.req.ID] = c
+		r.reschedule(c.eng)
+		if r.index && len(c.prefix) > 0 {
+			// The agent forwards the request: its engine will hold
+			// the prompt.
+			var added, evicted []uint64
+			c.predicted, added, evicted = e.lru.Insert(c.prefix, nil, nil)
+			r.note(c.eng, added, evicted)
+		}
+		return true, false
+	}
+	status := http.StatusServiceUnavailable // the engine's queue is full
+	if !errors.Is(err, simengine.ErrQueueFull) {
+		status = http.StatusBadRequest
+	}
+	c.why = err.Error()
+	return false, r.report(c, scheduler.Outcome{Status: status}).Retryable()
 }
 
 // report hands c's outcome to the scheduler, timing it.
@@ -485,6 +554,7 @@ func (r *simRun) report(c *simCall, o scheduler.Outcome) scheduler.Class {
 	if cl == scheduler.ClassSuccess {
 		r.shareSuccess(c)
 	}
+	r.finished(c) // a slot freed
 	return cl
 }
 
