@@ -37,7 +37,7 @@ import (
 //	POST /admin/v1/endpoints/{name}/weight    {"weight": W}; 0 returns to the declared or file weight
 //	GET  /admin/v1/queue                      the requests waiting for room (QueueStatus)
 //	GET  /status                              the status page (HTML; its data needs the key)
-//	GET  /status.json                         the table plus recent request rate, hit ratio, TTFT
+//	GET  /status.json                         the table plus recent request rate, hit ratio, TTFT, the queue
 //
 // Admin settings are kept across reloads of the endpoints file (not across
 // restarts: put lasting ones in the file). No response or log line shows a
@@ -547,6 +547,7 @@ func (r *Relay) statusData() map[string]any {
 		"step_seconds": statsStep,
 		"summary":      sum,
 		"sessions":     r.sched.Sessions(),
+		"queue":        r.QueueStatus(),
 	}
 }
 

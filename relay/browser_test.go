@@ -2,13 +2,16 @@ package relay
 
 import (
 	"bufio"
+	"context"
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"os"
 	"os/exec"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -55,6 +58,9 @@ func startChromium(t *testing.T) *cdp {
 		"--hide-scrollbars", "--window-size=1480,560", "--remote-debugging-pipe",
 		"--user-data-dir="+t.TempDir(), "about:blank")
 	cmd.ExtraFiles = []*os.File{cmdR, resW}
+	// Its own process group: Chromium's helpers (zygote, renderers) die
+	// with it, so none writes to the profile while the test removes it.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -63,7 +69,7 @@ func startChromium(t *testing.T) *cdp {
 	c := &cdp{t: t, cmd: cmd, in: cmdW, wait: map[int]chan json.RawMessage{}, errs: map[int]string{}, done: make(chan struct{})}
 	go c.read(resR)
 	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 		_ = cmd.Wait()
 		cmdW.Close()
 		<-c.done
@@ -238,4 +244,37 @@ func TestStatusPageBrowser(t *testing.T) {
 		}
 		t.Logf("screenshot written to %s", out)
 	}
+}
+
+// The status page shows who waits for room: a heavy client's backlog and
+// a light client's request behind the one request the agent can take.
+func TestStatusPageShowsQueue(t *testing.T) {
+	tb, g := queueBed(t, func(c *Config) { c.AdminKey = adminKey }, queueClients)
+	srv := adminServer(t, tb.relay)
+	br := startChromium(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := []<-chan int{tb.send(ctx, "sk-heavy", "")}
+	waitFor(t, "the first request at the engine", func() bool { return len(g.arrived()) == 1 })
+	for i := range 3 {
+		done = append(done, tb.send(ctx, "sk-heavy", ""))
+		tb.waitQueued(i + 1)
+	}
+	done = append(done, tb.send(ctx, "sk-light", ""))
+	tb.waitQueued(4)
+
+	page := br.open(srv.URL + "/status")
+	br.waitEval(page, "the key form", `document.getElementById("keyform").style.display`, "block")
+	br.eval(page, fmt.Sprintf(`sessionStorage.setItem("computeflux-admin-key", %q); refresh(); "ok"`, adminKey))
+	br.waitEval(page, "the requests waiting", `document.getElementById("waiting").textContent`, "4")
+	br.waitEval(page, "the waiting clients", `Array.from(document.querySelectorAll("#queue tr")).map(r => r.dataset.client + ":" + r.children[3].textContent).join(",")`, "heavy:3,light:1")
+	for range len(done) {
+		g.release <- struct{}{}
+	}
+	for i, d := range done {
+		if st := <-d; st != http.StatusOK {
+			t.Fatalf("request %d: status %d", i, st)
+		}
+	}
+	br.waitEval(page, "the queue emptied", `document.getElementById("waiting").textContent`, "0")
 }
