@@ -776,8 +776,15 @@ func (a *Agent) refresh(ctx context.Context) {
 	default:
 		load = a.noteLoadLocked(time.Now(), &met, nil)
 	}
-	nowOK, after := a.engineOK, a.models
+	nowOK, after, batch := a.engineOK, a.models, a.engine.Batch
 	a.mu.Unlock()
+	if limit, changed := a.gate.setBatch(batch, a.cfg.MaxConcurrency, a.cfg.DispatchLimit != 0); changed {
+		a.log.Info().Int("dispatch_limit", limit).Int("engine_batch", batch).Msg("dispatch limit set to the engine's batch")
+		a.notify()
+		if g := a.Gossip(); g != nil {
+			g.UpdateMeta()
+		}
+	}
 	a.logLoadChange(load)
 	if a.Gossip() == nil {
 		a.observeLoad(met, metErr == nil && err == nil) // no metrics loop without gossip

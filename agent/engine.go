@@ -41,6 +41,11 @@ type EngineInfo struct {
 	// slots' n_ctx, Ollama the loaded models' context_length); 0 when
 	// unknown.
 	KVCapacityTokens int
+	// Batch is the most requests the engine runs at once, where it says:
+	// llama.cpp's total_slots, SGLang's max_running_requests, TGI's
+	// max_batch_size; 0 when it does not (vLLM, Ollama), and the agent's
+	// dispatch limit is measured instead.
+	Batch int
 	// APIs are the paths beyond chat, completions and embeddings that the
 	// engine serves, among optionalAPIs, found in its OpenAPI document or
 	// by asking for them.
@@ -240,6 +245,7 @@ func (p *engineProber) identify(ctx context.Context, ownedBy string) (info Engin
 				}
 				info.Version = pr.BuildInfo
 				info.KVCapacityTokens = pr.NCtx * max(pr.TotalSlots, 1)
+				info.Batch = pr.TotalSlots
 			}
 		}
 		if b, ok := p.get(ctx, "/slots"); ok {
@@ -255,6 +261,7 @@ func (p *engineProber) identify(ctx context.Context, ownedBy string) (info Engin
 					info.Kind, info.Evidence = EngineTGI, "/info"
 				}
 				info.Version = ti.Version
+				info.Batch = ti.MaxBatchSize
 				if ti.MaxBatchTotalTokens > 0 {
 					info.KVCapacityTokens = ti.MaxBatchTotalTokens
 				}
@@ -272,6 +279,7 @@ func (p *engineProber) identify(ctx context.Context, ownedBy string) (info Engin
 					info.Kind, info.Evidence = EngineSGLang, path
 				}
 				info.Version = si.Version
+				info.Batch = si.MaxRunningRequests
 				if si.MaxTotalNumTokens > 0 && info.KVCapacityTokens == 0 {
 					info.KVCapacityTokens = si.MaxTotalNumTokens
 				}
@@ -443,6 +451,7 @@ type TGIInfo struct {
 	ModelID             string
 	Version             string
 	MaxBatchTotalTokens int // max_batch_total_tokens: tokens the batch (KV cache) holds
+	MaxBatchSize        int // max_batch_size: requests in a batch; 0 when unset (null)
 }
 
 // ParseTGIInfo reads TGI's /info; false unless it names a model and the
@@ -453,17 +462,25 @@ func ParseTGIInfo(b []byte) (TGIInfo, bool) {
 		Router              string `json:"router"`
 		Version             string `json:"version"`
 		MaxBatchTotalTokens int    `json:"max_batch_total_tokens"`
+		MaxBatchSize        *int   `json:"max_batch_size"`
 	}
 	if json.Unmarshal(b, &v) != nil || v.ModelID == "" || !strings.Contains(v.Router, "text-generation") {
 		return TGIInfo{}, false
 	}
-	return TGIInfo{ModelID: v.ModelID, Version: v.Version, MaxBatchTotalTokens: max(v.MaxBatchTotalTokens, 0)}, true
+	ti := TGIInfo{ModelID: v.ModelID, Version: v.Version, MaxBatchTotalTokens: max(v.MaxBatchTotalTokens, 0)}
+	if v.MaxBatchSize != nil {
+		ti.MaxBatchSize = max(*v.MaxBatchSize, 0)
+	}
+	return ti, true
 }
 
 // SGLangServerInfo is what the agent reads of SGLang's GET /get_server_info.
 type SGLangServerInfo struct {
 	Version           string
 	MaxTotalNumTokens int // the KV pool's capacity in tokens
+	// MaxRunningRequests is the server argument max_running_requests; 0
+	// when unset (SGLang then derives it from the KV pool).
+	MaxRunningRequests int
 }
 
 // ParseSGLangServerInfo reads SGLang's server info: its server arguments
@@ -475,6 +492,7 @@ func ParseSGLangServerInfo(b []byte) (SGLangServerInfo, bool) {
 		TPSize            *int   `json:"tp_size"`
 		Version           string `json:"version"`
 		MaxTotalNumTokens int    `json:"max_total_num_tokens"`
+		MaxRunning        *int   `json:"max_running_requests"`
 		InternalStates    []struct {
 			MaxTotalNumTokens int `json:"max_total_num_tokens"`
 		} `json:"internal_states"`
@@ -483,6 +501,9 @@ func ParseSGLangServerInfo(b []byte) (SGLangServerInfo, bool) {
 		return SGLangServerInfo{}, false
 	}
 	si := SGLangServerInfo{Version: v.Version, MaxTotalNumTokens: max(v.MaxTotalNumTokens, 0)}
+	if v.MaxRunning != nil {
+		si.MaxRunningRequests = max(*v.MaxRunning, 0)
+	}
 	for _, st := range v.InternalStates {
 		si.MaxTotalNumTokens = max(si.MaxTotalNumTokens, st.MaxTotalNumTokens)
 	}
@@ -538,6 +559,9 @@ func (e EngineInfo) orKnown(prev EngineInfo) EngineInfo {
 	}
 	if e.KVCapacityTokens == 0 {
 		e.KVCapacityTokens = prev.KVCapacityTokens
+	}
+	if e.Batch == 0 {
+		e.Batch = prev.Batch
 	}
 	if len(e.APIs) == 0 {
 		e.APIs = prev.APIs

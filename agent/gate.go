@@ -31,6 +31,7 @@ type gate struct {
 	mu       sync.Mutex // guards the following fields
 	lim      *scheduler.Limiter
 	limit    int // 0: no gate
+	batch    int // the engine's own batch size the limit is fixed at; 0: none
 	inFlight int // admitted, not yet released
 	q        *scheduler.Queue[chan struct{}]
 }
@@ -55,6 +56,28 @@ func (g *gate) Limit() int {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return g.limit
+}
+
+// setBatch fixes the limit at the batch the engine says it runs (n > 0),
+// unless the limit is off or the operator fixed it (fixed); a batch of 0
+// returns to measuring. It reports the limit and whether it changed.
+func (g *gate) setBatch(n, max int, fixed bool) (limit int, changed bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.lim == nil || fixed || n == g.batch {
+		return g.limit, false
+	}
+	g.batch = n
+	if max > 0 {
+		n = min(n, max)
+	}
+	g.lim = scheduler.NewLimiter(scheduler.LimitConfig{Fixed: n, Max: max})
+	if g.limit == g.lim.Limit() {
+		return g.limit, false
+	}
+	g.limit = g.lim.Limit()
+	g.dispatchLocked()
+	return g.limit, true
 }
 
 // waiting returns the requests waiting at the gate.

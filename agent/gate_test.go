@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"sync"
 	"testing"
 	"time"
@@ -152,5 +153,46 @@ func TestGateDisabled(t *testing.T) {
 	}
 	if _, changed := g.observe(EngineMetrics{Running: 1, Waiting: 9}, true, time.Now()); changed {
 		t.Fatal("disabled gate changed its limit")
+	}
+}
+
+// TestGateTakesEngineBatch: an engine that says how many requests it runs at
+// once (llama.cpp's total_slots) fixes the dispatch limit there; the
+// operator's --dispatch-limit wins over it.
+func TestGateTakesEngineBatch(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/v1/models", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, `{"object":"list","data":[{"id":"m","owned_by":"llamacpp"}]}`)
+	})
+	mux.HandleFunc("/props", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, `{"total_slots":3,"default_generation_settings":{"n_ctx":4096}}`)
+	})
+	a := newIndexedAgent(t, mux, 0)
+	if got := a.gate.Limit(); got == 3 {
+		t.Fatalf("limit %d before the engine was read", got)
+	}
+	a.refresh(t.Context())
+	if got := a.gate.Limit(); got != 3 {
+		t.Fatalf("dispatch limit %d, want the engine's 3 slots", got)
+	}
+	if got, _ := a.gate.setBatch(0, 0, false); got != 8 {
+		t.Fatalf("without a batch the limit is %d, want the initial 8 to measure from", got)
+	}
+
+	g := newGate(scheduler.LimitConfig{Fixed: 5}, false)
+	if got, changed := g.setBatch(3, 0, true); got != 5 || changed {
+		t.Fatalf("with the operator's limit 5 the engine's batch made it %d (changed %v)", got, changed)
+	}
+}
+
+func TestParseEngineBatch(t *testing.T) {
+	if ti, ok := ParseTGIInfo([]byte(`{"model_id":"x","router":"text-generation-router","max_batch_size":16}`)); !ok || ti.MaxBatchSize != 16 {
+		t.Fatalf("TGI max_batch_size: %+v %v", ti, ok)
+	}
+	if ti, ok := ParseTGIInfo([]byte(`{"model_id":"x","router":"text-generation-router","max_batch_size":null}`)); !ok || ti.MaxBatchSize != 0 {
+		t.Fatalf("TGI max_batch_size null: %+v %v", ti, ok)
+	}
+	if si, ok := ParseSGLangServerInfo([]byte(`{"model_path":"x","tp_size":1,"max_running_requests":48}`)); !ok || si.MaxRunningRequests != 48 {
+		t.Fatalf("SGLang max_running_requests: %+v %v", si, ok)
 	}
 }
