@@ -1,6 +1,7 @@
 package simengine
 
 import (
+	"cmp"
 	"container/heap"
 	"errors"
 	"fmt"
@@ -60,32 +61,14 @@ type EngineConfig struct {
 }
 
 func (c *EngineConfig) populate() {
-	if c.BlockSize == 0 {
-		c.BlockSize = DefaultBlockSize
-	}
-	if c.CacheBlocks == 0 {
-		c.CacheBlocks = DefaultCacheBlocks
-	}
-	if c.PrefillTokensPerSec == 0 {
-		c.PrefillTokensPerSec = DefaultPrefillTokensPerSec
-	}
-	if c.DecodeTimePerToken == 0 {
-		c.DecodeTimePerToken = DefaultDecodeTimePerToken
-	}
-	if c.DecodeTimePerSeq == 0 {
-		c.DecodeTimePerSeq = DefaultDecodeTimePerSeq
-	} else if c.DecodeTimePerSeq < 0 {
-		c.DecodeTimePerSeq = 0
-	}
-	if c.MaxRunning == 0 {
-		c.MaxRunning = DefaultMaxRunning
-	}
-	if c.MaxQueue == 0 {
-		c.MaxQueue = DefaultMaxQueue
-	}
-	if c.MaxModelLen == 0 {
-		c.MaxModelLen = DefaultMaxModelLen
-	}
+	c.BlockSize = cmp.Or(c.BlockSize, DefaultBlockSize)
+	c.CacheBlocks = cmp.Or(c.CacheBlocks, DefaultCacheBlocks)
+	c.PrefillTokensPerSec = cmp.Or(c.PrefillTokensPerSec, DefaultPrefillTokensPerSec)
+	c.DecodeTimePerToken = cmp.Or(c.DecodeTimePerToken, DefaultDecodeTimePerToken)
+	c.DecodeTimePerSeq = max(cmp.Or(c.DecodeTimePerSeq, DefaultDecodeTimePerSeq), 0) // negative: none
+	c.MaxRunning = cmp.Or(c.MaxRunning, DefaultMaxRunning)
+	c.MaxQueue = cmp.Or(c.MaxQueue, DefaultMaxQueue)
+	c.MaxModelLen = cmp.Or(c.MaxModelLen, DefaultMaxModelLen)
 }
 
 func (c *EngineConfig) validate() error {

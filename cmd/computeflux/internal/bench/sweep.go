@@ -66,19 +66,10 @@ type SweepConfig struct {
 }
 
 func (c *SweepConfig) populate() {
-	if c.SLO == 0 {
-		c.SLO = DefaultSLO
-	}
-	if c.Start == 0 {
-		c.Start = DefaultSweepStart
-	}
-	if c.Max == 0 {
-		c.Max = DefaultSweepMax
-	}
-	if c.Bisect == 0 {
-		c.Bisect = DefaultSweepBisect
-	}
-	c.Bisect = max(c.Bisect, 0)
+	c.SLO = cmp.Or(c.SLO, DefaultSLO)
+	c.Start = cmp.Or(c.Start, DefaultSweepStart)
+	c.Max = cmp.Or(c.Max, DefaultSweepMax)
+	c.Bisect = max(cmp.Or(c.Bisect, DefaultSweepBisect), 0) // negative: none
 }
 
 func (c *SweepConfig) validate() error {
