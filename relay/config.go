@@ -114,8 +114,8 @@ type Config struct {
 	RestartHold time.Duration
 	// MaxQueued and MaxQueuedPerClient bound the requests waiting in all
 	// and per client (per model); beyond them a request gets 429 at once.
-	// Zero means scheduler.DefaultMaxQueued (4,096) and
-	// scheduler.DefaultMaxQueuedPerFlow (512).
+	// Zero means scheduler.DefaultMaxQueued (8,192) and
+	// scheduler.DefaultMaxQueuedPerFlow (2,048).
 	MaxQueued, MaxQueuedPerClient int
 	// MetricsKey, if set, is required as "Authorization: Bearer KEY" on
 	// /metrics; client API keys do not open it. Empty means /metrics is

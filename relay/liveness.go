@@ -112,6 +112,8 @@ type liveness struct {
 	pings map[peer.ID]*pingCall
 
 	ackTimers sync.Pool // of *ackTimer that can fire no more
+
+	stall stallClock // the relay's own stalls (stall.go), ticked by run
 }
 
 // watch is the liveness state of one agent. Guarded by liveness.mu.
@@ -322,6 +324,7 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		}
 	}()
 	lastAlive := time.Now()
+	aliveStall := l.stall.total() // the relay's stalls until lastAlive
 	markedDead := false
 	buf := make([]byte, 2*ping.PingSize)
 	tick := time.NewTimer(0)
@@ -346,13 +349,20 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		// new one may wait for the connection's stream credit while the
 		// agent streams answers at full speed.
 		if at := time.Unix(0, w.readAt.Load()); at.After(lastAlive) {
-			lastAlive = at
+			lastAlive, aliveStall = at, l.stall.total()
 		}
 		start := time.Now()
-		// Until the silence bound from the last echo; once silent, each
-		// probe gets the whole bound to show the agent is back.
-		deadline := lastAlive.Add(bound)
+		// Until the silence bound from the last echo, counting only the
+		// time the relay ran; once silent, each probe gets the whole bound
+		// to show the agent is back.
+		deadline := lastAlive.Add(bound + l.stall.total() - aliveStall)
 		if !deadline.After(start) {
+			// Silent already (a stall of the relay's own during the last
+			// probe put it off by a hair): no need of one more probe to say
+			// so.
+			if awake(lastAlive, start, l.stall.total()-aliveStall) >= bound {
+				l.silent(p, w)
+			}
 			deadline = start.Add(bound)
 		}
 		var err error
@@ -365,7 +375,7 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		now := time.Now()
 		if err == nil {
 			l.h.Peerstore().RecordLatency(p, now.Sub(start))
-			lastAlive = now
+			lastAlive, aliveStall = now, l.stall.total()
 			if markedDead {
 				markedDead = false
 				l.reg.SetDead(w.name, false)
@@ -379,14 +389,15 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 			s = nil
 		}
 		if at := time.Unix(0, w.readAt.Load()); at.After(lastAlive) {
-			lastAlive = at
+			lastAlive, aliveStall = at, l.stall.total()
 		}
-		if now.Sub(lastAlive) >= bound {
+		quiet := awake(lastAlive, now, l.stall.total()-aliveStall)
+		if quiet >= bound {
 			l.silent(p, w)
 		}
-		if !markedDead && now.Sub(lastAlive) >= deadAfter && l.reg.holds(w.name, p) {
+		if !markedDead && quiet >= deadAfter && l.reg.holds(w.name, p) {
 			markedDead = true
-			l.log.Warn().Str("agent", w.name).Dur("silent", now.Sub(lastAlive)).Msg("agent silent too long: out of routing")
+			l.log.Warn().Str("agent", w.name).Dur("silent", quiet).Msg("agent silent too long: out of routing")
 			l.reg.SetDead(w.name, true)
 		}
 		// A failure before the silence bound (a stream reset): retry soon.
@@ -405,6 +416,11 @@ func (l *liveness) busy(w *watch) bool {
 // run gives every joined agent a prober, from its join on, until the
 // relay closes.
 func (l *liveness) run() {
+	stallDone := make(chan struct{})
+	var stallWG sync.WaitGroup
+	stallWG.Go(func() { l.stall.run(stallDone) })
+	defer stallWG.Wait()
+	defer close(stallDone)
 	t := time.NewTicker(watchEvery)
 	defer t.Stop()
 	for {

@@ -10,17 +10,18 @@ import "time"
 // fair order and the choice of engine when a slot frees. So each agent
 // takes at most as many requests as its engine batches: its dispatch limit.
 //
-// Limiter finds that number. An engine that says its batch size (or an
-// operator's --max-concurrency) fixes it. Otherwise it is measured from the
+// Limiter finds that number. An engine that says its batch size (or the
+// operator's --dispatch-limit) fixes it. Otherwise it is measured from the
 // engine's own metrics, sampled every few seconds: while the engine queues
 // requests (Waiting > 0 in two samples running) it batches what it runs,
 // so the limit drops to the most it was seen running then (never rises
 // so: an engine that runs more than the limit and still queues has other
 // work than this agent's); while requests
-// use the whole limit and the engine queues none, the limit grows, by a
-// quarter below the last size that made the engine queue and by one at or
-// above it, at most once per GrowEvery (as TCP's slow start and congestion
-// avoidance probe for a window). Probing above the last cut costs a
+// use the whole limit and the engine queues none, the limit grows at most
+// once per GrowEvery: it doubles until the engine first queues (an engine
+// of 256 slots is found in 5 steps from 8), then grows by a quarter below
+// the last size that made the engine queue and by one at or above it (as
+// TCP's slow start and congestion avoidance probe for a window). Probing above the last cut costs a
 // request queued in the engine for a few samples, so when the engine
 // queued with its KV cache far from full (its batch is bounded by its
 // sequence count, which does not change), it probes above that bound only
@@ -141,9 +142,14 @@ func (l *Limiter) Observe(s LimitSample) int {
 	if s.InFlight < l.limit || s.KVCacheUsage >= 0.95 || s.At.Sub(l.grown) < wait {
 		return l.limit
 	}
-	step := 1
-	if l.ceiling == 0 || l.limit < l.ceiling {
+	var step int
+	switch {
+	case l.ceiling == 0:
+		step = l.limit // slow start: the engine never queued yet
+	case l.limit < l.ceiling:
 		step = max(1, l.limit/4)
+	default:
+		step = 1
 	}
 	l.limit = min(l.limit+step, l.cfg.Max)
 	l.grown = s.At

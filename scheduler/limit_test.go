@@ -31,11 +31,18 @@ func TestLimiter(t *testing.T) {
 			{LimitSample{At: at(1), Known: true, InFlight: 3, Running: 3}, 8},
 			{LimitSample{At: at(2), Known: true, InFlight: 3, Running: 2, Waiting: 1}, 8},
 		}},
-		{"grows by a quarter while the limit is used and nothing queues", LimitConfig{}, []step{
-			{LimitSample{At: at(0), Known: true, InFlight: 8, Running: 8}, 10},
-			{LimitSample{At: at(1), Known: true, InFlight: 10, Running: 10}, 10}, // within GrowEvery
-			{LimitSample{At: at(2), Known: true, InFlight: 10, Running: 10}, 12},
-			{LimitSample{At: at(4), Known: true, InFlight: 6, Running: 6}, 12}, // not using it: no growth
+		{"doubles while the limit is used and the engine never queued", LimitConfig{}, []step{
+			{LimitSample{At: at(0), Known: true, InFlight: 8, Running: 8}, 16},
+			{LimitSample{At: at(1), Known: true, InFlight: 16, Running: 16}, 16}, // within GrowEvery
+			{LimitSample{At: at(2), Known: true, InFlight: 16, Running: 16}, 32},
+			{LimitSample{At: at(4), Known: true, InFlight: 6, Running: 6}, 32}, // not using it: no growth
+		}},
+		{"slow start ends at the first cut", LimitConfig{}, []step{
+			{LimitSample{At: at(0), Known: true, InFlight: 8, Running: 8}, 16},
+			{LimitSample{At: at(2), Known: true, InFlight: 16, Running: 12, Waiting: 4, KVCacheUsage: 0.95}, 16},
+			{LimitSample{At: at(3), Known: true, InFlight: 16, Running: 12, Waiting: 4, KVCacheUsage: 0.95}, 12},
+			{LimitSample{At: at(4), Known: true, InFlight: 12, Running: 12, KVCacheUsage: 0.5}, 12}, // within GrowEvery
+			{LimitSample{At: at(5), Known: true, InFlight: 12, Running: 12, KVCacheUsage: 0.5}, 13},
 		}},
 		{"after a cut with the KV cache full it probes by one", LimitConfig{}, []step{
 			{LimitSample{At: at(0), Known: true, InFlight: 8, Running: 6, Waiting: 2, KVCacheUsage: 0.93}, 8},

@@ -71,9 +71,12 @@ func ParseBand(s string) (Band, error) {
 // Defaults for the zero values of QueueConfig.
 const (
 	// DefaultMaxQueued bounds the requests waiting in a Queue in all.
-	DefaultMaxQueued = 4096
-	// DefaultMaxQueuedPerFlow bounds one flow's waiting requests.
-	DefaultMaxQueuedPerFlow = 512
+	DefaultMaxQueued = 8192
+	// DefaultMaxQueuedPerFlow bounds one flow's waiting requests: a
+	// quarter of the total, so that one client serving many users of its
+	// own (an application behind one key) may keep a fleet of several
+	// 256-sequence engines busy, and still leaves room for three others.
+	DefaultMaxQueuedPerFlow = 2048
 	// DefaultBatchEvery gives the batch band one dispatch in 10 while
 	// interactive requests wait.
 	DefaultBatchEvery = 10
