@@ -144,6 +144,9 @@ type flight struct {
 	cancel context.CancelCauseFunc
 	bound  time.Duration            // the ack bound
 	timer  atomic.Pointer[ackTimer] // fires at the ack bound; set when the request is sent
+	// stallAt is the relay's stall clock when the ack bound was armed:
+	// a bound that passed while the relay itself stood still is re-armed.
+	stallAt atomic.Int64
 	// ack is 0 while waiting, 1 once acknowledged, 2 once timed out. The
 	// first to move it decides, as for the time to first byte.
 	ack atomic.Int32
@@ -201,6 +204,7 @@ func (f *flight) sent() {
 	}
 	l := f.l
 	f.bound = l.ackTimeout(f.p)
+	f.stallAt.Store(int64(l.stall.total()))
 	a, _ := l.ackTimers.Get().(*ackTimer)
 	if a == nil {
 		a = &ackTimer{}
@@ -256,6 +260,13 @@ func (f *flight) acked() {
 // ackExpired runs when the ack bound a passed.
 func (f *flight) ackExpired(a *ackTimer) {
 	if f.ack.Load() != 0 {
+		return
+	}
+	// The relay stood still meanwhile (stall.go): the ack may be waiting
+	// unread. The bound starts again.
+	if st := int64(f.l.stall.total()); st > f.stallAt.Load() {
+		f.stallAt.Store(st)
+		a.t.Reset(f.bound) // spent already: never reused
 		return
 	}
 	// A late ack alone is no death: a loaded agent host (or relay) delays
