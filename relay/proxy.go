@@ -3,7 +3,8 @@ package relay
 // The request path, in named stages (the shape of caddy's reverse proxy):
 //
 //	serveProxied   once per request: authenticate, run the stages below,
-//	               then write the log line and the request metrics
+//	               then record the request in the usage ledger (usage.go)
+//	               and write the log line and the request metrics
 //	  prepare      once per request: read and parse it, and choose its route
 //	               (prepareInference here, prepareStored in responses.go)
 //	  admit        once per request, before its first Pick: the per-key
@@ -109,7 +110,11 @@ func (r *Relay) serveProxied(w http.ResponseWriter, req *http.Request, method, p
 	if rl.err == nil && err != nil && !errors.Is(err, errAbort) {
 		rl.err = err
 	}
-	dur := r.cfg.Clock.Now().Sub(start)
+	end := r.cfg.Clock.Now()
+	dur := end.Sub(start)
+	if stored == "" {
+		r.recordUsage(p, end) // usage.go
+	}
 	r.metrics.observe(rl, dur)
 	r.stats.observe(rl, start.Add(dur))
 	ev := r.reqLog.Info()
