@@ -176,3 +176,19 @@ func (r *Relay) recordUsage(p *proxied, end time.Time) {
 	}
 	l.Record(e)
 }
+
+// checkBudget refuses a request of client c once c's budget is used up:
+// its use through this relay and, as their reports say, through its peer
+// relays. The answer is a 429 in OpenAI's insufficient_quota shape that
+// says when the budget resets.
+func (r *Relay) checkBudget(c *Client) error {
+	l := r.cfg.Ledger
+	if l == nil || c == nil || c.Budget.Unlimited() {
+		return nil
+	}
+	now := r.cfg.Clock.Now()
+	if v := l.Check(c.Name, ledger.Budget(c.Budget), now); v.Over {
+		return errOverBudget(v, now)
+	}
+	return nil
+}
