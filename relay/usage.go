@@ -37,10 +37,19 @@ var usageKey = []byte(`"usage"`)
 // many times is not worth scanning whole).
 const maxUsageTries = 4
 
-// scanTail reads the last usage object of a JSON answer into u, searching
-// from its end, where OpenAI-style answers put it; the body is not copied.
-// An answer without one leaves u as it was.
+// usageTail is how much of an answer's end is searched for its usage:
+// OpenAI-style answers end with it, followed at most by a few short
+// fields. Searching the whole of a long answer would cost about a
+// nanosecond a byte.
+const usageTail = 4 << 10
+
+// scanTail reads the last usage object in the last usageTail bytes of a
+// JSON answer into u, searching from the end; the body is not copied. An
+// answer without one there leaves u as it was.
 func (u *tokenUsage) scanTail(data []byte) {
+	if len(data) > usageTail {
+		data = data[len(data)-usageTail:]
+	}
 	for try := 0; try < maxUsageTries; try++ {
 		i := bytes.LastIndex(data, usageKey)
 		if i < 0 {

@@ -1,13 +1,21 @@
 package relay
 
 import (
+	"bytes"
+	"io"
 	"net/http"
+	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/relay/internal/threadcpu"
 	"github.com/computeflux/computeflux/relay/ledger"
+	"github.com/computeflux/computeflux/transport"
 )
 
 func TestScanTail(t *testing.T) {
@@ -32,6 +40,9 @@ func TestScanTail(t *testing.T) {
 		{"negative", `{"usage":{"prompt_tokens":-3,"completion_tokens":2}}`, tokenUsage{seen: true, completion: 2}},
 		{"truncated", `{"usage":{"prompt_tokens":3,"completion_tok`, tokenUsage{}},
 		{"string count", `{"usage":{"prompt_tokens":"3"}}`, tokenUsage{}},
+		{"long answer", `{"choices":[{"message":{"content":"` + strings.Repeat("long ", 20000) + `"}}],"usage":{"prompt_tokens":7,"completion_tokens":20000}}`,
+			tokenUsage{seen: true, prompt: 7, completion: 20000}},
+		{"usage far from the end", `{"usage":{"prompt_tokens":7},"tail":"` + strings.Repeat("x", usageTail) + `"}`, tokenUsage{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var u tokenUsage
@@ -121,15 +132,74 @@ func BenchmarkRecordUsage(b *testing.B) {
 	now := time.Now()
 	b.Run("scan", func(b *testing.B) {
 		b.ReportAllocs()
-		for b.Loop() {
-			p.rl.usage = tokenUsage{}
-			p.rl.usage.scanTail(answer)
-		}
+		threadcpu.Measure(b, func() {
+			for b.Loop() {
+				p.rl.usage = tokenUsage{}
+				p.rl.usage.scanTail(answer)
+			}
+		})
 	})
 	b.Run("record", func(b *testing.B) {
 		b.ReportAllocs()
-		for b.Loop() {
-			r.recordUsage(p, now)
-		}
+		threadcpu.Measure(b, func() {
+			for b.Loop() {
+				r.recordUsage(p, now)
+			}
+		})
 	})
+}
+
+// cannedRT answers every request with the same JSON body.
+type cannedRT []byte
+
+func (c cannedRT) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.Body != nil {
+		_, _ = io.Copy(io.Discard, req.Body)
+	}
+	return &http.Response{StatusCode: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}},
+		Body: io.NopCloser(bytes.NewReader(c)), ContentLength: int64(len(c)), Request: req}, nil
+}
+
+// BenchmarkRequestPathLedger times the relay's whole request path (to an
+// in-memory endpoint) without and with the usage ledger, side by side:
+// what recording adds per request, allocations included.
+//
+//	go test ./relay -run '^$' -bench RequestPathLedger -benchmem -count 5
+func BenchmarkRequestPathLedger(b *testing.B) {
+	answer := cannedRT(`{"id":"c","object":"chat.completion","model":"m1","choices":[{"index":0,"message":{"role":"assistant","content":"hello"},"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":2,"total_tokens":14,"prompt_tokens_details":{"cached_tokens":8}}}`)
+	body := []byte(`{"model":"m1","messages":[{"role":"user","content":"hi"}]}`)
+	for _, on := range []bool{false, true} {
+		b.Run(map[bool]string{false: "off", true: "on"}[on], func(b *testing.B) {
+			cfg := Config{NoP2P: true, APIKeys: []string{testKey}, Transport: answer, Logger: zerolog.New(io.Discard)}
+			if on {
+				l, err := ledger.Open(ledger.Config{Path: filepath.Join(b.TempDir(), "usage.db")})
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer l.Close()
+				cfg.Ledger = l
+			}
+			r, err := New(cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer r.Close()
+			_ = r.Registry().Joined(peer.ID("fake-peer-0"), transport.JoinInfo{Name: "a", Models: []string{"m1"}})
+			h := r.Handler()
+			req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil)
+			req.Header.Set("Authorization", "Bearer "+testKey)
+			req.Header.Set("Content-Type", "application/json")
+			rd := bytes.NewReader(body)
+			b.ReportAllocs()
+			for b.Loop() {
+				rd.Reset(body)
+				req.Body = io.NopCloser(rd)
+				w := httptest.NewRecorder()
+				h.ServeHTTP(w, req)
+				if w.Code != http.StatusOK {
+					b.Fatalf("status %d: %s", w.Code, w.Body)
+				}
+			}
+		})
+	}
 }
