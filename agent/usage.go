@@ -11,6 +11,7 @@ import (
 	"sync"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
 )
 
 // maxHashedBody bounds the request body the agent reads to hash it; larger
@@ -29,7 +30,10 @@ type servedReq struct {
 	chain []uint64
 	// strip: the engine was asked for a usage chunk the client did not ask
 	// for; it is not passed on.
-	strip  bool
+	strip bool
+	// added: the engine was asked for a usage chunk the client did not
+	// ask for, and the relay drops it (transport.HeaderUsage).
+	added  bool
 	body   usageBody    // the answer's reader, allocated with the request's state
 	reader bytes.Reader // the request body forwarded
 }
@@ -60,9 +64,11 @@ func (a *Agent) indexRequest(r *http.Request, body []byte) *servedReq {
 		return nil
 	}
 	st := &servedReq{chain: scheduler.PromptBlocks(chainRoom(len(body), a.index.cfg.Prefix), body, a.index.cfg.Prefix)}
+	keep := r.Header.Get(transport.HeaderUsage) == transport.UsageKeep
+	r.Header.Del(transport.HeaderUsage)
 	out, rewritten := askUsage(body)
 	if rewritten {
-		body, st.strip = out, true
+		body, st.strip, st.added = out, !keep, keep
 	} else if buffered {
 		return st // r.Body reads body, unread
 	}
@@ -197,6 +203,9 @@ func askUsageJSON(body []byte) ([]byte, bool) {
 func (a *Agent) observeResponse(resp *http.Response, st *servedReq, sse bool) {
 	if st == nil || a.index == nil || resp.StatusCode/100 != 2 {
 		return
+	}
+	if st.added && sse {
+		resp.Header.Set(transport.HeaderUsage, transport.UsageAdded) // the relay drops the chunk
 	}
 	predicted := a.index.served(st.chain)
 	if len(st.chain) == 0 && !(st.strip && sse) {

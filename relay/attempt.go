@@ -112,6 +112,10 @@ func (r *Relay) attempt(p *proxied, c scheduler.Choice) attemptResult {
 	return x.copy(p, resp, &cp, hd, *bp)
 }
 
+// usageKeep is HeaderUsage's value on requests, shared: a header's values
+// are only read.
+var usageKeep = []string{transport.UsageKeep}
+
 // head is what the first-byte stage read of an answer.
 type head struct {
 	first []byte // the bytes read so far
@@ -137,6 +141,9 @@ func (x *exchange) request(p *proxied, ctx context.Context, tgt target) (*http.R
 	if tgt.peer != "" && p.rl.flow.id != "" { // the agent's gate reads it (agent/gate.go)
 		up.Header[transport.HeaderFlow] = []string{p.rl.flow.header()}
 	}
+	if tgt.peer != "" && p.rl.stream {
+		up.Header[transport.HeaderUsage] = usageKeep // the usage chunk reaches the ledger
+	}
 	return up, nil
 }
 
@@ -152,6 +159,23 @@ func (x *exchange) failed(p *proxied, status int, err error) attemptResult {
 		err = cause
 	}
 	return attemptResult{outcome: scheduler.Outcome{Status: status, Err: err, Latency: lat}, err: err}
+}
+
+// noteUsage notes for the usage ledger what the answer said about its
+// tokens (the stream's usage chunk, or the usage object at the end of a
+// whole non-streamed answer), a guess at its completion tokens from what
+// the client got, and how long the endpoint took.
+func (x *exchange) noteUsage(p *proxied, cp *streamCopier, hd head) {
+	p.rl.guess = cp.written / estimateBytesPerToken
+	switch {
+	case cp.frame != nil:
+		p.rl.usage = cp.frame.usage
+		p.rl.guess = cp.frame.chunks // a chunk a token, as engines stream
+	case hd.err == io.EOF && p.rl.status/100 == 2:
+		p.rl.usage.scanTail(hd.first)
+	}
+	p.rl.answered = p.rl.status/100 == 2 // before a client gone makes it 499
+	p.rl.serving = x.r.cfg.Clock.Now().Sub(x.start)
 }
 
 // refused is the result of an answer whose status asks for another
@@ -226,7 +250,7 @@ func (x *exchange) commit(p *proxied, resp *http.Response, sse bool) streamCopie
 	w.WriteHeader(resp.StatusCode)
 	cp := streamCopier{w: w, rc: rc, flush: flush, idle: x.r.cfg.IdleTimeout, clock: x.r.cfg.Clock}
 	if sse {
-		cp.frame = &sseFramer{}
+		cp.frame = &sseFramer{dropUsage: resp.Header.Get(transport.HeaderUsage) == transport.UsageAdded}
 	}
 	return cp
 }
@@ -259,6 +283,7 @@ func (x *exchange) copy(p *proxied, resp *http.Response, cp *streamCopier, hd he
 		x.cancel(ErrBadUpstream)
 		rerr = ErrBadUpstream
 	}
+	x.noteUsage(p, cp, hd)
 	ttfb := p.rl.ttfb
 	switch {
 	case werr != nil || p.req.Context().Err() != nil:

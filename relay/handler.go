@@ -47,6 +47,14 @@ type reqLog struct {
 	err      error
 	client   *Client // the key's client; nil without auth
 	flow     flowOf  // who the request is for, in the queue's terms
+	// For the usage ledger (usage.go): what the answer said about its
+	// tokens, whether the endpoint answered with success, a guess at its
+	// completion tokens for when it said nothing, and how long the
+	// endpoint took from the request to the answer's end.
+	usage    tokenUsage
+	answered bool
+	guess    int64
+	serving  time.Duration
 }
 
 // serveHTTP dispatches by path and method; every error response goes through

@@ -3,11 +3,13 @@ package relay
 // The request path, in named stages (the shape of caddy's reverse proxy):
 //
 //	serveProxied   once per request: authenticate, run the stages below,
-//	               then write the log line and the request metrics
+//	               then record the request in the usage ledger (usage.go)
+//	               and write the log line and the request metrics
 //	  prepare      once per request: read and parse it, and choose its route
 //	               (prepareInference here, prepareStored in responses.go)
-//	  admit        once per request, before its first Pick: the per-key
-//	               limits (a 429 when over)
+//	  admit        once per request, before its first Pick: the client's
+//	               budget (usage.go), then the per-key limits (a 429
+//	               when over)
 //	  proxy        the attempts, up to MaxAttempts:
 //	    pick       the route names an endpoint (the scheduler, or the one
 //	               agent that stores a response); an inference request
@@ -109,7 +111,11 @@ func (r *Relay) serveProxied(w http.ResponseWriter, req *http.Request, method, p
 	if rl.err == nil && err != nil && !errors.Is(err, errAbort) {
 		rl.err = err
 	}
-	dur := r.cfg.Clock.Now().Sub(start)
+	end := r.cfg.Clock.Now()
+	dur := end.Sub(start)
+	if stored == "" {
+		r.recordUsage(p, end) // usage.go
+	}
 	r.metrics.observe(rl, dur)
 	r.stats.observe(rl, start.Add(dur))
 	ev := r.reqLog.Info()
@@ -191,9 +197,15 @@ type admission struct {
 	held bool
 }
 
-// admit is where a request is let in before its first Pick: the per-key
-// rate and concurrency limits (a 429 when over). Release it with leave.
+// admit is where a request is let in before its first Pick: the budget of
+// an inference request's client, then the per-key rate and concurrency
+// limits (a 429 when over). Release it with leave.
 func (r *Relay) admit(p *proxied) (admission, error) {
+	if _, inference := p.route.(*scheduler.Attempt); inference {
+		if err := r.checkBudget(p.rl.client); err != nil { // usage.go
+			return admission{}, err
+		}
+	}
 	if r.limits == nil {
 		return admission{}, nil
 	}

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"io"
 	"unicode/utf8"
+
+	"github.com/computeflux/computeflux/scheduler"
 )
 
 // Checks on what agents send back. An agent is a machine in someone's home
@@ -40,6 +42,45 @@ type sseFramer struct {
 	hasData bool
 	afterCR bool // the last byte seen was '\r': a '\n' next belongs to it
 	failed  bool
+	// usage is what the stream's events said about its tokens; chunks
+	// counts the events with data other than "[DONE]" passed on.
+	usage  tokenUsage
+	chunks int64
+	// dropUsage is set when the agent asked its engine for a usage chunk
+	// the client did not ask for (HeaderUsage): the framer reads it and
+	// does not pass it on.
+	dropUsage bool
+}
+
+// readUsage notes the usage an event's data carries, and reports whether
+// the event is to be dropped: a usage chunk the client did not ask for.
+func (f *sseFramer) readUsage(data []byte) bool {
+	if !bytes.Contains(data, usageKey) {
+		return false
+	}
+	u := f.usage
+	u.seen = false
+	if u.scanTail(data); !u.seen {
+		return false
+	}
+	f.usage = u
+	return f.dropUsage && usageChunk(data)
+}
+
+// usageChunk reports whether a chunk is the usage chunk that ends an
+// OpenAI stream: a top-level usage object and no choices (not, say, a
+// Responses event whose response carries its usage).
+func usageChunk(data []byte) bool {
+	choices, usage := false, false
+	scheduler.ScanObject(data, func(k, v []byte) {
+		switch string(k) {
+		case "choices":
+			choices = len(v) > 0 && v[0] == '[' && len(bytes.TrimSpace(v[1:len(v)-1])) > 0
+		case "usage":
+			usage = len(v) > 0 && v[0] == '{'
+		}
+	})
+	return usage && !choices
 }
 
 // feed appends to dst the whole events that p completes. After an error
@@ -113,7 +154,12 @@ func (f *sseFramer) endLine(dst []byte) ([]byte, error) {
 			// make OpenAI's SDKs fail to parse it: drop it.
 		case f.hasData && !validData(f.data):
 			return dst, f.fail()
+		case f.hasData && f.readUsage(f.data):
+			// A usage chunk the client did not ask for: read, not passed on.
 		default:
+			if f.hasData && string(f.data) != "[DONE]" {
+				f.chunks++
+			}
 			dst = append(dst, f.ev...)
 			dst = append(dst, '\n')
 		}

@@ -474,6 +474,11 @@ func skipString(b []byte, i int) (int, bool) {
 // nesting deeper than 256 levels reports false. Values alias b.
 func ScanObject(b []byte, f func(key, val []byte)) bool { return scanObject(b, f) }
 
+// SkipValue returns the index just past the JSON value that starts at b[i]
+// (after any space), and whether there is a whole value there. Like
+// ScanObject it checks structure only and allocates nothing.
+func SkipValue(b []byte, i int) (int, bool) { return skipValue(b, i) }
+
 // PlainKey reports whether a raw JSON key (as ScanObject gives it) has no
 // escapes and only ASCII bytes, so that KeyEqualFold matches it as
 // encoding/json matches a key to a field; other keys are for encoding/json

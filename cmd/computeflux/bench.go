@@ -196,6 +196,9 @@ func runOverhead(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	fs.StringVar(&cfg.LogLevel, "log-level", "info", "relay's and agent's --log-level")
 	fs.StringVar(&cfg.Binary, "binary", "", "computeflux `binary` to run as relay and agent (default: this one)")
 	fs.StringVar(&cfg.BaseBinary, "base-binary", "", "a second computeflux `binary` timed in the same run (before/after a change)")
+	var relayArgs, baseRelayArgs string
+	fs.StringVar(&relayArgs, "relay-args", "", "space-separated `flags` added to the relay's command line (e.g. --ledger-file=/tmp/usage.db)")
+	fs.StringVar(&baseRelayArgs, "base-relay-args", "", "space-separated `flags` added to the --base-binary relay's command line")
 	fs.StringVar(&cfg.FRPS, "frps", "", "frps `binary` (default $"+bench.EnvFRPS+")")
 	fs.StringVar(&cfg.FRPC, "frpc", "", "frpc `binary` (default $"+bench.EnvFRPC+")")
 	fs.StringVar(&cfg.ProfileDir, "profile", "", "write CPU and allocation profiles of relay and agent under load to this `dir`")
@@ -233,6 +236,7 @@ func runOverhead(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if fs.NArg() > 0 {
 		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
 	}
+	cfg.RelayArgs, cfg.BaseRelayArgs = strings.Fields(relayArgs), strings.Fields(baseRelayArgs)
 	switch n := countSet(proxyListen, floorRelay, floorAgent); {
 	case n > 1:
 		return errors.New("bench: --serve-reverse-proxy, --serve-stock-floor-relay and --serve-stock-floor-agent exclude each other")

@@ -14,16 +14,22 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/ledger"
 	"github.com/computeflux/computeflux/scheduler"
 )
 
 // runRelay serves the OpenAI API and the agents' join service until ctx ends.
 func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	cfg, tlsFiles, err := relayConfig(args, os.LookupEnv, stderr)
+	cfg, files, err := relayConfig(args, os.LookupEnv, stderr)
 	if err != nil {
 		return err
 	}
 	tuneGC(os.LookupEnv)
+	closeLedger, err := files.openLedger(&cfg)
+	if err != nil {
+		return err
+	}
+	defer closeLedger() // after the relay: its last requests are recorded
 	r, err := relay.New(cfg)
 	if err != nil {
 		return err
@@ -33,7 +39,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	stopReload := reloadOnHangup(ctx, r)
 	defer stopReload()
-	if tlsFiles.cert == "" {
+	if files.cert == "" {
 		if !isLoopbackListen(cfg.Listen) {
 			cfg.Logger.Warn().Str("listen", cfg.Listen).Msg("serving plain HTTP: clients' API keys cross the network in clear text; use --tls-cert/--tls-key or a TLS proxy in front")
 		}
@@ -44,7 +50,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		_ = r.Close()
 		return fmt.Errorf("relay: listen: %w", err)
 	}
-	tln, err := relay.NewTLSListener(ln, tlsFiles.cert, tlsFiles.key)
+	tln, err := relay.NewTLSListener(ln, files.cert, files.key)
 	if err != nil {
 		_ = ln.Close()
 		_ = r.Close()
@@ -53,8 +59,31 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	return r.Serve(ctx, tln)
 }
 
-// relayTLS names the relay's certificate and key files (both or neither).
-type relayTLS struct{ cert, key string }
+// relayFiles names the files runRelay opens: the certificate and key
+// (both or neither) and the usage ledger's.
+type relayFiles struct {
+	cert, key string
+	ledger    string // the usage ledger's file; empty: no ledger
+	failClose bool   // budgets refuse while the ledger cannot write
+}
+
+// openLedger opens the usage ledger f names into cfg; the returned
+// function closes it (a no-op without a ledger).
+func (f relayFiles) openLedger(cfg *relay.Config) (func(), error) {
+	if f.ledger == "" {
+		return func() {}, nil
+	}
+	l, err := ledger.Open(ledger.Config{Path: f.ledger, FailClosed: f.failClose, Logger: cfg.Logger})
+	if err != nil {
+		return nil, fmt.Errorf("relay: --ledger-file: %w", err)
+	}
+	cfg.Ledger = l
+	return func() {
+		if err := l.Close(); err != nil {
+			cfg.Logger.Error().Err(err).Msg("closing the usage ledger")
+		}
+	}, nil
+}
 
 // isLoopbackListen reports whether addr listens on loopback only.
 func isLoopbackListen(addr string) bool {
@@ -71,9 +100,9 @@ func isLoopbackListen(addr string) bool {
 
 // relayConfig turns the command line, then COMPUTEFLUX_* environment
 // variables for flags not given, into a relay.Config.
-func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io.Writer) (relay.Config, relayTLS, error) {
+func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io.Writer) (relay.Config, relayFiles, error) {
 	var cfg relay.Config
-	var tf relayTLS
+	var tf relayFiles
 	var p2pListen, token, tokenFile, keysFile, clientsFile, policy string
 	var nat natFlags
 	var gossip gossipFlags
@@ -104,6 +133,8 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.StringVar(&cfg.MetricsKey, "metrics-key", "", "bearer `key` required on /metrics (empty: /metrics is public)")
 	fs.StringVar(&tf.cert, "tls-cert", "", "serve HTTPS with this PEM certificate chain `file` (with --tls-key)")
 	fs.StringVar(&tf.key, "tls-key", "", "PEM private key `file` for --tls-cert")
+	fs.StringVar(&tf.ledger, "ledger-file", "", "usage ledger `file` (bbolt; created if absent): who used and served what, and clients' budgets (empty: no ledger)")
+	fs.BoolVar(&tf.failClose, "ledger-fail-closed", false, "refuse clients with a budget while the ledger cannot write its file (default: serve them on the counts in memory)")
 	ops.register(fs)
 	nat.register(fs)
 	gossip.register(fs)
@@ -159,6 +190,16 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 			return cfg, tf, fmt.Errorf("relay: %w", err)
 		}
 		cfg.Clients = cf
+	}
+	if cfg.Clients != nil && tf.ledger == "" {
+		if !cfg.Clients.Default.Budget.Unlimited() {
+			return cfg, tf, errors.New("relay: --clients-file gives keys without a client a budget: budgets need --ledger-file")
+		}
+		for _, c := range cfg.Clients.Clients {
+			if !c.Budget.Unlimited() {
+				return cfg, tf, fmt.Errorf("relay: --clients-file gives client %q a budget: budgets need --ledger-file", c.Name)
+			}
+		}
 	}
 	if len(cfg.APIKeys) == 0 && !cfg.NoAuth && (cfg.Clients == nil || len(cfg.Clients.Clients) == 0) {
 		return cfg, tf, errors.New("relay: no client API keys: give --api-keys-file or --clients-file, or --no-auth to serve anyone")

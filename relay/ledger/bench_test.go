@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/computeflux/computeflux/relay/internal/threadcpu"
 )
 
 // benchEntries are requests over a fixed set of rows: the steady state.
@@ -45,7 +47,7 @@ func BenchmarkRecord(b *testing.B) {
 	defer l.Close()
 	b.ReportAllocs()
 	b.ResetTimer()
-	threadCPU(b, func() {
+	threadcpu.Measure(b, func() {
 		for i := 0; i < b.N; i++ {
 			l.Record(es[i%len(es)])
 		}
@@ -78,7 +80,7 @@ func BenchmarkCheck(b *testing.B) {
 	budget := Budget{TokensPerDay: 1e12, TokensPerMonth: 1e13, CostPerMonth: 1e6}
 	b.ReportAllocs()
 	b.ResetTimer()
-	threadCPU(b, func() {
+	threadcpu.Measure(b, func() {
 		for i := 0; i < b.N; i++ {
 			if l.Check(es[i%len(es)].Client, budget, now).Over {
 				b.Fatal("over")

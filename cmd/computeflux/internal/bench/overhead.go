@@ -50,6 +50,10 @@ type OverheadConfig struct {
 	// BaseBinary, when set, is a second computeflux binary timed in the same
 	// run as path "computeflux-base": before and after a change, side by side.
 	BaseBinary string
+	// RelayArgs and BaseRelayArgs are added to the command line of the
+	// relay of Binary and of BaseBinary (for instance --ledger-file on one
+	// side only: a mechanism's cost, side by side).
+	RelayArgs, BaseRelayArgs []string
 	// FRPS and FRPC are frp's server and client binaries (default: the
 	// COMPUTEFLUX_FRPS and COMPUTEFLUX_FRPC environment variables). frp is
 	// timed only when both are set.
@@ -245,7 +249,7 @@ func RunOverhead(ctx context.Context, cfg OverheadConfig) (_ *OverheadReport, er
 	targets = append(targets, ct)
 	if cfg.BaseBinary != "" {
 		bc := cfg
-		bc.Binary, bc.ProfileDir = cfg.BaseBinary, ""
+		bc.Binary, bc.ProfileDir, bc.RelayArgs = cfg.BaseBinary, "", cfg.BaseRelayArgs
 		progress("starting base relay and agent (%s)", bc.Binary)
 		bt, bps, _, err := startComputeflux(ctx, bc, dir, eng.url, "base-")
 		procs = append(procs, bps...)
@@ -946,11 +950,11 @@ func startComputeflux(ctx context.Context, cfg OverheadConfig, dir, engineURL, p
 		pprofAddrs[name] = a
 		return []string{EnvPprof + "=" + a}
 	}
-	r, err := startProc(ctx, prefix+"relay", dir, env("relay"), cfg.Binary, "relay",
+	r, err := startProc(ctx, prefix+"relay", dir, env("relay"), cfg.Binary, append([]string{"relay",
 		"--listen", fmt.Sprintf("127.0.0.1:%d", httpPort),
 		"--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1",
 		"--token", token, "--no-auth", "--addr-file", addrFile,
-		"--log-level", cfg.LogLevel)
+		"--log-level", cfg.LogLevel}, cfg.RelayArgs...)...)
 	if err != nil {
 		return nil, nil, nil, err
 	}

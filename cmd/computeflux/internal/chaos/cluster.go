@@ -53,7 +53,7 @@ type cluster struct {
 	engURL   []string
 	agents   []*proc
 
-	mu sync.Mutex // guards started, and agents while a run restarts one
+	mu sync.Mutex // guards started, and relay and agents while a run restarts one
 	// started is every process started, restarted ones included.
 	started []*proc
 }
@@ -112,31 +112,9 @@ func (c *cluster) start() error {
 	if err := os.WriteFile(adminKey, []byte(c.adminKey+"\n"), 0o600); err != nil {
 		return err
 	}
-	addrFile := filepath.Join(c.dir, "relay.addrs")
-	var err error
-	c.relay, err = c.launch("relay", append([]string{"relay",
-		"--listen", "127.0.0.1:0", "--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1",
-		"--identity", filepath.Join(c.dir, "relay.key"), "--token-file", token, "--api-keys-file", keys,
-		"--addr-file", addrFile, "--admin-listen", "127.0.0.1:0", "--admin-key-file", adminKey, "--log-format", "json"},
-		c.spec.RelayArgs...)...)
-	if err != nil {
+	if err := c.startRelay(); err != nil {
 		return err
 	}
-	l, err := c.relay.waitLog(startTimeout, func(l logLine) bool { return l.str("message") == "relay http listening" })
-	if err != nil {
-		return err
-	}
-	c.relayURL = "http://" + l.str("addr")
-	l, err = c.relay.waitLog(startTimeout, func(l logLine) bool { return l.str("message") == "relay admin listening" })
-	if err != nil {
-		return err
-	}
-	c.adminURL = "http://" + l.str("addr")
-	b, err := os.ReadFile(addrFile)
-	if err != nil {
-		return fmt.Errorf("%s: relay addr file: %w", c.spec.Name, err)
-	}
-	c.relayMA = strings.TrimSpace(strings.Split(string(b), "\n")[0])
 	for i := range c.spec.Agents {
 		e, err := c.launch(fmt.Sprintf("engine-%d", i), append([]string{"sim-engine",
 			"--listen", "127.0.0.1:0", "--log-format", "json"}, c.spec.EngineArgs...)...)
@@ -157,6 +135,43 @@ func (c *cluster) start() error {
 		}
 	}
 	c.progress("relay %s, %d engines and agents up", c.relayURL, c.spec.Agents)
+	return nil
+}
+
+// startRelay starts the relay (again, after a kill: on the same identity
+// and, when RelayArgs fix them, the same addresses) and waits until it
+// listens.
+func (c *cluster) startRelay() error {
+	token := filepath.Join(c.dir, "token")
+	keys := filepath.Join(c.dir, "keys")
+	adminKey := filepath.Join(c.dir, "admin-key")
+	addrFile := filepath.Join(c.dir, "relay.addrs")
+	r, err := c.launch("relay", append([]string{"relay",
+		"--listen", "127.0.0.1:0", "--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1",
+		"--identity", filepath.Join(c.dir, "relay.key"), "--token-file", token, "--api-keys-file", keys,
+		"--addr-file", addrFile, "--admin-listen", "127.0.0.1:0", "--admin-key-file", adminKey, "--log-format", "json"},
+		c.spec.RelayArgs...)...)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	c.relay = r
+	c.mu.Unlock()
+	l, err := r.waitLog(startTimeout, func(l logLine) bool { return l.str("message") == "relay http listening" })
+	if err != nil {
+		return err
+	}
+	c.relayURL = "http://" + l.str("addr")
+	l, err = r.waitLog(startTimeout, func(l logLine) bool { return l.str("message") == "relay admin listening" })
+	if err != nil {
+		return err
+	}
+	c.adminURL = "http://" + l.str("addr")
+	b, err := os.ReadFile(addrFile)
+	if err != nil {
+		return fmt.Errorf("%s: relay addr file: %w", c.spec.Name, err)
+	}
+	c.relayMA = strings.TrimSpace(strings.Split(string(b), "\n")[0])
 	return nil
 }
 

@@ -1,6 +1,6 @@
 //go:build linux
 
-package ledger
+package threadcpu
 
 import (
 	"runtime"
@@ -9,10 +9,10 @@ import (
 	"time"
 )
 
-// threadCPU measures the CPU time of the calling goroutine's loop, locked
-// to its thread: on a shared machine wall time also counts the waits for a
-// core, and process time the flusher's work.
-func threadCPU(b *testing.B, loop func()) {
+// Measure runs loop locked to its thread and reports the thread's CPU
+// time per b.N as "thread-cpu-ns/op": on a shared machine wall time also
+// counts the waits for a core, and process time other goroutines' work.
+func Measure(b *testing.B, loop func()) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	var ru0, ru1 syscall.Rusage

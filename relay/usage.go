@@ -1,0 +1,203 @@
+package relay
+
+import (
+	"bytes"
+	"time"
+
+	"github.com/computeflux/computeflux/relay/ledger"
+	"github.com/computeflux/computeflux/scheduler"
+)
+
+// Recording into the usage ledger. The copy stages note what the answer
+// said about its tokens (tokenUsage: from the usage object at the end of a
+// non-streamed answer, or from the stream's usage chunk, as the framer
+// passes it); serveProxied records every finished inference request once,
+// through recordUsage.
+
+// estimateBytesPerToken is the bytes per token of an estimate, for answers
+// that carry no usage: about four bytes of English text per token.
+const estimateBytesPerToken = 4
+
+// anonymousClient names the client of every request when the relay checks
+// no keys.
+const anonymousClient = "anonymous"
+
+// tokenUsage is what an answer said about its tokens. The zero value says
+// nothing.
+type tokenUsage struct {
+	seen                       bool
+	prompt, cached, completion int64
+}
+
+// usageKey is how a usage object's key is found in an answer's bytes.
+var usageKey = []byte(`"usage"`)
+
+// maxUsageTries bounds the `"usage"` occurrences read from the end of an
+// answer before it is taken as having none (a text that quotes the word
+// many times is not worth scanning whole).
+const maxUsageTries = 4
+
+// usageTail is how much of an answer's end is searched for its usage:
+// OpenAI-style answers end with it, followed at most by a few short
+// fields. Searching the whole of a long answer would cost about a
+// nanosecond a byte.
+const usageTail = 4 << 10
+
+// scanTail reads the last usage object in the last usageTail bytes of a
+// JSON answer into u, searching from the end; the body is not copied. An
+// answer without one there leaves u as it was.
+func (u *tokenUsage) scanTail(data []byte) {
+	if len(data) > usageTail {
+		data = data[len(data)-usageTail:]
+	}
+	for try := 0; try < maxUsageTries; try++ {
+		i := bytes.LastIndex(data, usageKey)
+		if i < 0 {
+			return
+		}
+		if u.readAt(data, i+len(usageKey)) {
+			return
+		}
+		data = data[:i]
+	}
+}
+
+// readAt reads the usage object whose key ends at data[i] (at its closing
+// quote's next byte). It reports false when what follows is not a key's
+// object value; a null value counts as read and changes nothing.
+func (u *tokenUsage) readAt(data []byte, i int) bool {
+	i = skipJSONSpace(data, i)
+	if i >= len(data) || data[i] != ':' {
+		return false
+	}
+	i = skipJSONSpace(data, i+1)
+	if i < len(data) && data[i] == 'n' {
+		return bytes.HasPrefix(data[i:], []byte("null"))
+	}
+	if i >= len(data) || data[i] != '{' {
+		return false
+	}
+	end, ok := scheduler.SkipValue(data, i)
+	if !ok {
+		return false
+	}
+	return u.readObject(data[i:end])
+}
+
+// readObject reads a usage object: OpenAI's names (prompt_tokens,
+// completion_tokens, prompt_tokens_details.cached_tokens) or those of the
+// Responses and Messages APIs (input_tokens, output_tokens,
+// input_tokens_details.cached_tokens, cache_read_input_tokens). Fields
+// present replace what u held; absent ones keep it (a Messages stream
+// gives its input and output counts in different events).
+func (u *tokenUsage) readObject(obj []byte) bool {
+	var prompt, cached, completion, details []byte
+	if !scheduler.ScanObject(obj, func(k, v []byte) {
+		switch string(k) {
+		case "prompt_tokens", "input_tokens":
+			prompt = v
+		case "completion_tokens", "output_tokens":
+			completion = v
+		case "prompt_tokens_details", "input_tokens_details":
+			details = v
+		case "cache_read_input_tokens":
+			cached = v
+		}
+	}) {
+		return false
+	}
+	if len(details) > 0 && details[0] == '{' {
+		scheduler.ScanObject(details, func(k, v []byte) {
+			if string(k) == "cached_tokens" {
+				cached = v
+			}
+		})
+	}
+	for _, f := range [...]struct {
+		v []byte
+		n *int64
+	}{{prompt, &u.prompt}, {cached, &u.cached}, {completion, &u.completion}} {
+		if n, ok := parseCount(f.v); ok {
+			*f.n = n
+			u.seen = true
+		}
+	}
+	return true
+}
+
+// parseCount reads a JSON count: a non-negative decimal integer (strconv
+// would want a string, which costs an allocation on its error path).
+func parseCount(v []byte) (int64, bool) {
+	if len(v) == 0 || len(v) > 18 {
+		return 0, false
+	}
+	var n int64
+	for _, c := range v {
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		n = n*10 + int64(c-'0')
+	}
+	return n, true
+}
+
+func skipJSONSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// recordUsage records p's request, once it finished after taking dur, in
+// the ledger: its client, model and the endpoint that served it, with the
+// tokens the answer reported, or when it reported none an estimate: the
+// request's bytes over four for the prompt, and the answer's chunks (a
+// stream) or bytes over four for the completion. A request no endpoint answered
+// with success, or whose answer broke off before its usage, counts as an
+// error.
+func (r *Relay) recordUsage(p *proxied, end time.Time) {
+	l := r.cfg.Ledger
+	if l == nil || (p.rl.client == nil && !r.cfg.NoAuth) {
+		return // no ledger, or no client: an unauthenticated request
+	}
+	rl := &p.rl
+	// A stream whose client left after its usage chunk was served whole.
+	e := ledger.Entry{Time: end, Client: anonymousClient, Model: rl.model, Serving: rl.serving,
+		Error: !rl.answered || (rl.err != nil && !rl.usage.seen)}
+	if rl.client != nil {
+		e.Client = rl.client.Name
+	}
+	if rl.agent != "" {
+		if r.providers.get(rl.agent) != nil {
+			e.Provider = rl.agent
+		} else {
+			e.Agent = rl.agent
+		}
+	}
+	switch u := &rl.usage; {
+	case u.seen:
+		e.PromptTokens, e.CachedTokens, e.CompletionTokens = u.prompt, u.cached, u.completion
+	case rl.answered:
+		// The engine said nothing: estimate what it did.
+		e.PromptTokens = int64(len(p.body)) / estimateBytesPerToken
+		e.CompletionTokens = rl.guess
+		e.Estimated = true
+	}
+	l.Record(e)
+}
+
+// checkBudget refuses a request of client c once c's budget is used up:
+// its use through this relay and, as their reports say, through its peer
+// relays. The answer is a 429 in OpenAI's insufficient_quota shape that
+// says when the budget resets.
+func (r *Relay) checkBudget(c *Client) error {
+	l := r.cfg.Ledger
+	if l == nil || c == nil || c.Budget.Unlimited() {
+		return nil
+	}
+	now := r.cfg.Clock.Now()
+	if v := l.Check(c.Name, ledger.Budget(c.Budget), now); v.Over {
+		return errOverBudget(v, now)
+	}
+	return nil
+}
