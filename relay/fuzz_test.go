@@ -194,6 +194,7 @@ func FuzzStreamRelay(f *testing.F) {
 	f.Add([]byte(`<html>`), uint8(3), false)
 	f.Fuzz(func(t *testing.T, body []byte, chunk uint8, sse bool) {
 		r, ct := newFuzzRelay()
+		defer r.Close()
 		ctype := "application/json"
 		if sse {
 			ctype = "text/event-stream"
@@ -241,6 +242,7 @@ func FuzzInferenceRequest(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, body []byte, session string) {
 		r, ct := newFuzzRelay()
+		defer r.Close()
 		ct.set(200, "application/json", []byte(`{"ok":true}`), 64)
 		rec := httptest.NewRecorder()
 		req := httptest.NewRequest("POST", "/v1/chat/completions", bytes.NewReader(body))
