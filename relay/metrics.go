@@ -36,7 +36,14 @@ type metrics struct {
 	requestsBy resolvedCounters[requestLabels]
 	affinityBy resolvedCounters[string]
 	failuresBy resolvedCounters[string]
+
+	// Tokens by client and by endpoint (agent or provider), by kind.
+	clientTokens, endpointTokens     *prometheus.CounterVec
+	clientTokensBy, endpointTokensBy resolvedCounters[[2]string]
 }
+
+// tokenKinds are the kinds of computeflux_{client,endpoint}_tokens_total.
+var tokenKinds = [...]string{"prompt", "cached", "completion"}
 
 // requestLabels are the labels of computeflux_requests_total.
 type requestLabels struct {
@@ -87,6 +94,14 @@ func newMetrics(r *Relay) *metrics {
 			Name: "computeflux_gossip_forgeries_total",
 			Help: "Joined peers cut off because they sent gossip no honest member sends.",
 		}),
+		clientTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "computeflux_client_tokens_total",
+			Help: "Tokens of finished requests, by client (the clients file's names, key-<digest> for a key it does not name, anonymous without keys: bounded by the configuration) and kind: prompt, cached (of the prompt) and completion. Estimated where the engine said nothing.",
+		}, []string{"client", "kind"}),
+		endpointTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "computeflux_endpoint_tokens_total",
+			Help: "Tokens served, by agent or provider endpoint and kind: prompt, cached (of the prompt) and completion. An agent's series go when it leaves.",
+		}, []string{"endpoint", "kind"}),
 		panics: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "computeflux_panics_total",
 			Help: "Request handler panics the relay's HTTP servers recovered (each logged with its stack), by server: http (the API) or admin-http.",
@@ -96,6 +111,7 @@ func newMetrics(r *Relay) *metrics {
 		m.panics.WithLabelValues(c) // the series exist from the start, at 0
 	}
 	m.reg.MustRegister(m.requests, m.affinity, m.ttfb, m.duration, m.retries, m.failures, m.routable, m.forged, m.panics,
+		m.clientTokens, m.endpointTokens,
 		schedulerCollector{r: r},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -110,6 +126,22 @@ var panicComponents = []string{"http", "admin-http"}
 // (one of panicComponents): into the relay's log, panics counted.
 func (r *Relay) serverLog(component string) *stdlog.Logger {
 	return transport.ServerLog(r.log.With().Str("source", component).Logger(), r.metrics.panics.WithLabelValues(component).Inc)
+}
+
+// observeTokens counts a finished request's tokens for its client and the
+// endpoint that served it (none: "").
+func (m *metrics) observeTokens(client, endpoint string, prompt, cached, completion int64) {
+	for i, n := range [...]int64{prompt, cached, completion} {
+		if n <= 0 {
+			continue
+		}
+		k := [2]string{client, tokenKinds[i]}
+		m.clientTokensBy.get(k, func(k [2]string) prometheus.Counter { return m.clientTokens.WithLabelValues(k[0], k[1]) }).Add(float64(n))
+		if endpoint != "" {
+			k[0] = endpoint
+			m.endpointTokensBy.get(k, func(k [2]string) prometheus.Counter { return m.endpointTokens.WithLabelValues(k[0], k[1]) }).Add(float64(n))
+		}
+	}
 }
 
 // observe records one finished inference request.
@@ -198,6 +230,9 @@ func (m *metrics) forgetAgent(agent string) {
 	}
 	if len(m.failuresBy.forget(func(a string) bool { return a == agent })) > 0 {
 		m.failures.DeleteLabelValues(agent)
+	}
+	for _, k := range m.endpointTokensBy.forget(func(k [2]string) bool { return k[0] == agent }) {
+		m.endpointTokens.DeleteLabelValues(k[0], k[1])
 	}
 	m.index.forgetAgent(agent)
 }

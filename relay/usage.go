@@ -156,9 +156,8 @@ func skipJSONSpace(b []byte, i int) int {
 // with success, or whose answer broke off before its usage, counts as an
 // error.
 func (r *Relay) recordUsage(p *proxied, end time.Time) {
-	l := r.cfg.Ledger
-	if l == nil || (p.rl.client == nil && !r.cfg.NoAuth) {
-		return // no ledger, or no client: an unauthenticated request
+	if p.rl.client == nil && !r.cfg.NoAuth {
+		return // no client: an unauthenticated request
 	}
 	rl := &p.rl
 	// A stream whose client left after its usage chunk was served whole.
@@ -183,7 +182,10 @@ func (r *Relay) recordUsage(p *proxied, end time.Time) {
 		e.CompletionTokens = rl.guess
 		e.Estimated = true
 	}
-	l.Record(e)
+	r.metrics.observeTokens(e.Client, rl.agent, e.PromptTokens, e.CachedTokens, e.CompletionTokens)
+	if l := r.cfg.Ledger; l != nil {
+		l.Record(e)
+	}
 }
 
 // checkBudget refuses a request of client c once c's budget is used up:

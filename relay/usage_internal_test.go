@@ -2,6 +2,8 @@ package relay
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -201,5 +203,29 @@ func BenchmarkRequestPathLedger(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// TestTokenMetrics: every finished request's tokens, as its answer's usage
+// says, count for its client and for the agent that served it, without a
+// ledger; an agent's series go when it leaves.
+func TestTokenMetrics(t *testing.T) {
+	tb := newTestbed(t, []string{"a"}, nil)
+	for i := range 4 {
+		if st, _, body := tb.chat(fmt.Sprintf("s%d", i)); st != http.StatusOK {
+			t.Fatalf("chat: %d %s", st, body)
+		}
+	}
+	client := keyClientName(sha256.Sum256([]byte(testKey)))
+	// The fake engine's answers say 3 prompt and 3 completion tokens.
+	if got := metricValue(t, tb, `computeflux_client_tokens_total{client="`+client+`",kind="prompt"}`); got != 12 {
+		t.Fatalf("client prompt tokens %v, want 12", got)
+	}
+	if got := metricValue(t, tb, `computeflux_endpoint_tokens_total{endpoint="a",kind="completion"}`); got != 12 {
+		t.Fatalf("agent a's completion tokens %v, want 12", got)
+	}
+	tb.relay.forgetAgent("a")
+	if got := metricValue(t, tb, `computeflux_endpoint_tokens_total{endpoint="a",kind="completion"}`); got != 0 {
+		t.Fatalf("agent a's series outlived it: %v", got)
 	}
 }
