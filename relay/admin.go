@@ -19,6 +19,7 @@ import (
 
 	"github.com/libp2p/go-libp2p/core/peer"
 
+	"github.com/computeflux/computeflux/relay/ledger"
 	"github.com/computeflux/computeflux/scheduler"
 )
 
@@ -37,7 +38,7 @@ import (
 //	POST /admin/v1/endpoints/{name}/weight    {"weight": W}; 0 returns to the declared or file weight
 //	GET  /admin/v1/queue                      the requests waiting for room (QueueStatus)
 //	GET  /status                              the status page (HTML; its data needs the key)
-//	GET  /status.json                         the table plus recent request rate, hit ratio, TTFT, the queue
+//	GET  /status.json                         the table plus recent request rate, hit ratio, TTFT, the queue, the last day's usage
 //
 // Admin settings are kept across reloads of the endpoints file (not across
 // restarts: put lasting ones in the file). No response or log line shows a
@@ -548,7 +549,34 @@ func (r *Relay) statusData() map[string]any {
 		"summary":      sum,
 		"sessions":     r.sched.Sessions(),
 		"queue":        r.QueueStatus(),
+		"usage":        r.lastDayUsage(now),
 	}
+}
+
+// dayUsage is the status page's view of the ledger: the last 24 hours by
+// client and by agent, with the cache's share and savings.
+type dayUsage struct {
+	Clients []ledger.ReportRow `json:"clients"`
+	Agents  []ledger.ReportRow `json:"agents"`
+}
+
+// lastDayUsage reads the ledger's last 24 hours by client and by agent;
+// nil without a ledger or when it cannot be read (the page says so).
+func (r *Relay) lastDayUsage(now time.Time) *dayUsage {
+	l := r.cfg.Ledger
+	if l == nil {
+		return nil
+	}
+	since := now.Add(-24 * time.Hour)
+	clients, err := l.Usage(since, ledger.ByClient)
+	if err != nil {
+		return nil
+	}
+	agents, err := l.Usage(since, ledger.ByAgent)
+	if err != nil {
+		return nil
+	}
+	return &dayUsage{Clients: clients.Rows, Agents: agents.Rows}
 }
 
 //go:embed status.html

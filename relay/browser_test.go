@@ -3,12 +3,14 @@ package relay
 import (
 	"bufio"
 	"context"
+	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -277,4 +279,31 @@ func TestStatusPageShowsQueue(t *testing.T) {
 		}
 	}
 	br.waitEval(page, "the queue emptied", `document.getElementById("waiting").textContent`, "0")
+}
+
+// The status page shows the ledger's last day by client and by agent, with
+// the share of prompt tokens the cache served.
+func TestStatusPageShowsUsage(t *testing.T) {
+	l := openLedger(t, filepath.Join(t.TempDir(), "ledger.db"))
+	tb, _ := providerBed(t, []string{"gpu-attic"}, "endpoints: []\n", func(c *Config) {
+		c.AdminKey = adminKey
+		c.Ledger = l
+	})
+	for i := range 5 {
+		if st, _, body := tb.chat(fmt.Sprintf("u-%d", i)); st != http.StatusOK {
+			t.Fatalf("chat: %d %s", st, body)
+		}
+	}
+	if err := l.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	srv := adminServer(t, tb.relay)
+	br := startChromium(t)
+	page := br.open(srv.URL + "/status")
+	br.waitEval(page, "the key form", `document.getElementById("keyform").style.display`, "block")
+	br.eval(page, fmt.Sprintf(`sessionStorage.setItem("computeflux-admin-key", %q); refresh(); "ok"`, adminKey))
+	client := keyClientName(sha256.Sum256([]byte(testKey)))
+	// The fake engine's answers say 3 prompt and 3 completion tokens.
+	br.waitEval(page, "the client's day", `Array.from(document.querySelectorAll("#usageClients tr")).map(r => r.dataset.key + ":" + r.children[1].textContent + ":" + r.children[2].textContent).join(",")`, client+":5:15")
+	br.waitEval(page, "the agent's day", `Array.from(document.querySelectorAll("#usageAgents tr")).map(r => r.dataset.key + ":" + r.children[1].textContent + ":" + r.children[4].textContent).join(",")`, "gpu-attic:5:15")
 }
