@@ -197,6 +197,7 @@ func ms(d time.Duration) string { return fmt.Sprintf("%.0fms", float64(d)/float6
 type overloadCluster struct {
 	cfg      OverloadConfig
 	dir      string
+	mu       sync.Mutex // guards relays, relayURL and relayMA: a restart changes them under load
 	relays   []*proc
 	relayURL []string
 	relayMA  []string
@@ -317,6 +318,8 @@ func (c *overloadCluster) startRelay(i int, listen string) error {
 		return fmt.Errorf("overload: relay addr file: %w", err)
 	}
 	ma := strings.TrimSpace(strings.Split(string(b), "\n")[0])
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	if i < len(c.relays) {
 		c.relays[i], c.relayURL[i], c.relayMA[i] = p, "http://"+l.str("addr"), ma
 	} else {
@@ -407,7 +410,10 @@ func (c *overloadCluster) askStream(ctx context.Context, relay int, client strin
 		"messages":       []map[string]string{{"role": "user", "content": fmt.Sprintf("%s request %d: say something", client, n)}},
 	})
 	start := time.Now()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.relayURL[relay]+"/v1/chat/completions", bytes.NewReader(body))
+	c.mu.Lock()
+	url := c.relayURL[relay]
+	c.mu.Unlock()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/chat/completions", bytes.NewReader(body))
 	if err != nil {
 		return 0, 0, "request"
 	}
