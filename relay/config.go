@@ -171,6 +171,9 @@ type Config struct {
 	// reads; the caller opens and closes it. Nil means no ledger: the
 	// route answers 404.
 	Ledger *ledger.Ledger
+	// Audit configures the audits of agents (audit.go); the zero value
+	// audits at the defaults.
+	Audit AuditConfig
 	// Clock measures latencies. Nil means the real clock.
 	Clock scheduler.Clock
 	// Logger receives one line per request and lifecycle events. The zero

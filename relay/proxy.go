@@ -68,6 +68,9 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	}
 	session := sessionKey(req, rt)
 	rl.model, rl.stream, rl.session = rt.model, rt.stream, session != ""
+	if r.audits != nil {
+		r.audits.observeRequest(rt.model, "", body, req.Header)
+	}
 
 	r.installBinding(session)
 	blocks := r.promptBlocks(body) // prefix.go

@@ -1,6 +1,7 @@
 package audit
 
 import (
+	"math/rand/v2"
 	"sort"
 	"time"
 )
@@ -99,8 +100,10 @@ func lessKey(a, b Key) bool {
 // References returns up to n other agents among live that serve
 // subject's model and may answer as references: not quarantined, least
 // recently audited first (a round judges every participant, so the
-// references are audited too), then by name.
-func (b *Book) References(now time.Time, subject Key, live []Key, n int) []Key {
+// references are audited too). Agents audited at the same time are taken
+// in an order drawn from rng (by name when rng is nil), so that no agent
+// can count on meeting the same references.
+func (b *Book) References(now time.Time, subject Key, live []Key, n int, rng *rand.Rand) []Key {
 	var cands []*Standing
 	for _, k := range live {
 		if k.Model != subject.Model || k.Agent == subject.Agent {
@@ -110,12 +113,11 @@ func (b *Book) References(now time.Time, subject Key, live []Key, n int) []Key {
 			cands = append(cands, s)
 		}
 	}
-	sort.Slice(cands, func(i, j int) bool {
-		if !cands[i].LastAudit.Equal(cands[j].LastAudit) {
-			return cands[i].LastAudit.Before(cands[j].LastAudit)
-		}
-		return cands[i].Agent < cands[j].Agent
-	})
+	sort.Slice(cands, func(i, j int) bool { return cands[i].Agent < cands[j].Agent })
+	if rng != nil {
+		rng.Shuffle(len(cands), func(i, j int) { cands[i], cands[j] = cands[j], cands[i] })
+	}
+	sort.SliceStable(cands, func(i, j int) bool { return cands[i].LastAudit.Before(cands[j].LastAudit) })
 	out := make([]Key, 0, min(n, len(cands)))
 	for _, s := range cands[:min(n, len(cands))] {
 		out = append(out, s.Key)

@@ -1,6 +1,7 @@
 package audit
 
 import (
+	"math/rand/v2"
 	"testing"
 	"time"
 )
@@ -87,14 +88,26 @@ func TestReferences(t *testing.T) {
 	b.Record(t0, "x", Key{"b", "m"}, v(Agree))
 	b.Record(t0.Add(time.Second), "x", Key{"c", "m"}, v(Agree))
 	b.Quarantine(t0, Key{"q", "m"}, "hand")
-	got := b.References(t0, Key{"a", "m"}, live, 2)
+	got := b.References(t0, Key{"a", "m"}, live, 2, nil)
 	// d was never audited, then b before c; never the subject, a
 	// quarantined agent or another model's.
 	if len(got) != 2 || got[0].Agent != "d" || got[1].Agent != "b" {
 		t.Errorf("references %v, want d, b", got)
 	}
-	if all := b.References(t0, Key{"a", "m"}, live, 10); len(all) != 3 {
+	if all := b.References(t0, Key{"a", "m"}, live, 10, nil); len(all) != 3 {
 		t.Errorf("all references %v, want b, c, d", all)
+	}
+	// Ties are drawn: over many rounds, every ordered pair of the three
+	// tied references (q is quarantined) comes up.
+	ties := keys("m", "s", "p", "q", "r", "t")
+	seen := map[string]bool{}
+	rng := rand.New(rand.NewPCG(1, 2))
+	for range 50 {
+		got := b.References(t0, Key{"s", "m"}, ties, 2, rng)
+		seen[got[0].Agent+got[1].Agent] = true
+	}
+	if len(seen) != 6 || seen["pq"] || seen["qr"] {
+		t.Errorf("50 draws of 2 of 3 tied references gave %d pairs: %v", len(seen), seen)
 	}
 }
 

@@ -1,0 +1,279 @@
+package relay_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/agent"
+	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/scheduler/audit"
+)
+
+// simEngine starts a simulated engine serving model m1 with seed: the same
+// seed is the same model, another seed another model under the same name.
+func simEngine(t testing.TB, seed uint64) string {
+	t.Helper()
+	srv, err := simengine.New(simengine.Config{Listen: "127.0.0.1:0", Models: []string{"m1"}, TimeScale: 20,
+		Engine: simengine.EngineConfig{Seed: seed}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := srv.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return srv.URL()
+}
+
+// startAgentFor joins a real agent in front of the engine at upstream.
+func startAgentFor(t testing.TB, rl *itRelay, name, upstream string) {
+	t.Helper()
+	a, err := agent.New(agent.Config{
+		Relay: rl.r.Addrs()[0].String(), Token: itToken, Upstream: upstream, Name: name,
+		ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Logger: zerolog.New(io.Discard),
+		MinBackoff: 20 * time.Millisecond, MaxBackoff: 500 * time.Millisecond, DrainTimeout: time.Second,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+}
+
+const auditAdminKey = "admin-key-for-audit-tests"
+
+// auditRelay starts a relay whose audits run fast: a round every 100 ms
+// at most, every pair due every floor.
+func auditRelay(t testing.TB, floor time.Duration, endpointsFile string) (*itRelay, *httptest.Server) {
+	t.Helper()
+	rl := serveRelay(t, relay.Config{
+		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Token: []byte(itToken), APIKeys: []string{itKey},
+		Logger: zerolog.New(io.Discard), AdminKey: auditAdminKey, AdminListen: "127.0.0.1:0",
+		EndpointsFile: endpointsFile,
+		Audit: relay.AuditConfig{Interval: 100 * time.Millisecond, FloorEvery: floor, Timeout: 10 * time.Second,
+			Policy: audit.Policy{BackoffMin: 500 * time.Millisecond}},
+	})
+	admin := httptest.NewServer(rl.r.AdminHandler())
+	t.Cleanup(admin.Close)
+	return rl, admin
+}
+
+// sendTraffic sends n streamed chat requests for m1 and returns how many
+// each agent served.
+func sendTraffic(t testing.TB, rl *itRelay, n int) map[string]int {
+	t.Helper()
+	served := map[string]int{}
+	for i := range n {
+		body := fmt.Sprintf(`{"model":"m1","messages":[{"role":"user","content":"question %d about the weather in a city by the sea"}],"max_tokens":16,"stream":true}`, i)
+		req, _ := http.NewRequest(http.MethodPost, rl.url+"/v1/chat/completions", strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer "+itKey)
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d", i, resp.StatusCode)
+		}
+		served[resp.Header.Get(relay.HeaderAgent)]++
+	}
+	return served
+}
+
+func auditStatus(t testing.TB, admin *httptest.Server) relay.AuditStatus {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, admin.URL+"/admin/v1/audits", nil)
+	req.Header.Set("Authorization", "Bearer "+auditAdminKey)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var st relay.AuditStatus
+	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+func standing(st relay.AuditStatus, agent string) (audit.Standing, bool) {
+	for _, s := range st.Standings {
+		if s.Agent == agent && s.Model == "m1" {
+			return s, true
+		}
+	}
+	return audit.Standing{}, false
+}
+
+func adminPost(t testing.TB, admin *httptest.Server, path, body string) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, admin.URL+path, strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+auditAdminKey)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// TestAuditQuarantinesAnotherModel: three agents in front of one model
+// (seed 1) and one in front of another (seed 2) under the same name. The
+// audits, through the real agents over QUIC, convict the fourth: it is
+// quarantined for m1, serves no client request afterwards, and the admin
+// API shows the audit that convicted it; the three keep full weight. The
+// operator's release and quarantine by hand work through the admin API.
+func TestAuditQuarantinesAnotherModel(t *testing.T) {
+	rl, admin := auditRelay(t, 200*time.Millisecond, "")
+	for i := range 3 {
+		startAgentFor(t, rl, fmt.Sprintf("honest-%d", i), simEngine(t, 1))
+	}
+	startAgentFor(t, rl, "liar", simEngine(t, 2))
+	waitAgents(t, rl, "honest-0", "honest-1", "honest-2", "liar")
+	sendTraffic(t, rl, 4) // the auditor shapes its prompts like traffic
+	waitFor(t, "liar quarantined", func() bool { return rl.r.Scheduler().ModelWeight("liar", "m1") == 0 })
+
+	st := auditStatus(t, admin)
+	liar, ok := standing(st, "liar")
+	if !ok || liar.Quarantine == nil || liar.Quarantine.Convicted.Audit == "" || liar.LastDisagreement.Against == "" {
+		t.Fatalf("liar's standing: %+v", liar)
+	}
+	t.Logf("liar convicted by %s against %s: %s", liar.Quarantine.Convicted.Audit, liar.Quarantine.Convicted.Against, liar.Quarantine.Convicted.Reason)
+	for i := range 3 {
+		h, _ := standing(st, fmt.Sprintf("honest-%d", i))
+		if h.Quarantine != nil || h.Weight != 1 || h.Audits == 0 || h.Agreements != h.Audits {
+			t.Errorf("honest-%d: %+v", i, h)
+		}
+	}
+	if served := sendTraffic(t, rl, 40); served["liar"] != 0 {
+		t.Errorf("quarantined liar served %d of 40: %v", served["liar"], served)
+	}
+
+	// By hand: the operator releases the liar; the audits convict it
+	// again.
+	if code, body := adminPost(t, admin, "/admin/v1/audits/release", `{"agent":"liar","model":"m1"}`); code != 200 {
+		t.Fatalf("release: %d %s", code, body)
+	}
+	if w := rl.r.Scheduler().ModelWeight("liar", "m1"); w != 1 {
+		t.Errorf("released liar's weight %v", w)
+	}
+	waitFor(t, "liar quarantined again", func() bool { return rl.r.Scheduler().ModelWeight("liar", "m1") == 0 })
+	// The operator quarantines an honest agent: clean audits do not
+	// release it.
+	if code, body := adminPost(t, admin, "/admin/v1/audits/quarantine", `{"agent":"honest-0","model":"m1","reason":"maintenance"}`); code != 200 {
+		t.Fatalf("quarantine: %d %s", code, body)
+	}
+	before, _ := standing(auditStatus(t, admin), "honest-0")
+	waitFor(t, "honest-0 audited clean 3 times in quarantine", func() bool {
+		h, _ := standing(auditStatus(t, admin), "honest-0")
+		return h.Agreements >= before.Agreements+3
+	})
+	if w := rl.r.Scheduler().ModelWeight("honest-0", "m1"); w != 0 {
+		t.Errorf("clean audits released an operator's quarantine: weight %v", w)
+	}
+	// Bad input: clear errors, nothing changed.
+	for _, tc := range []struct{ path, body, code string }{
+		{"/admin/v1/audits/quarantine", `{"agent":"x"`, "invalid_json"},
+		{"/admin/v1/audits/quarantine", `{"agent":"","model":"m1"}`, "invalid_value"},
+		{"/admin/v1/audits/release", `{"agent":"honest-1","model":"m1"}`, "not_quarantined"},
+	} {
+		code, body := adminPost(t, admin, tc.path, tc.body)
+		if code/100 != 4 || !strings.Contains(body, `"code":"`+tc.code+`"`) {
+			t.Errorf("%s %s: %d %s", tc.path, tc.body, code, body)
+		}
+	}
+	// The metrics tell.
+	resp, err := http.Get(rl.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mb, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{"computeflux_agents_quarantined 2", `computeflux_audit_verdicts_total{outcome="disagree"}`, "computeflux_audit_tokens_total"} {
+		if !strings.Contains(string(mb), want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+}
+
+// TestAuditNoEvidenceFromFaults: an agent whose engine refuses with 503
+// (overloaded) and one whose engine cuts every stream short (as a restart
+// mid-answer does) are audited beside four honest ones and never held to
+// disagree: a fault is no evidence.
+func TestAuditNoEvidenceFromFaults(t *testing.T) {
+	rl, admin := auditRelay(t, 200*time.Millisecond, "")
+	for i := range 4 {
+		startAgentFor(t, rl, fmt.Sprintf("honest-%d", i), simEngine(t, 1))
+	}
+	busy := httptest.NewServer(faultEngine(t, simEngine(t, 1), "busy"))
+	t.Cleanup(busy.Close)
+	cut := httptest.NewServer(faultEngine(t, simEngine(t, 1), "cut"))
+	t.Cleanup(cut.Close)
+	startAgentFor(t, rl, "busy", busy.URL)
+	startAgentFor(t, rl, "cut", cut.URL)
+	waitAgents(t, rl, "honest-0", "honest-1", "honest-2", "honest-3", "busy", "cut")
+	sendTraffic(t, rl, 6)
+	// Rounds of four: some with one faulty agent and three honest ones,
+	// who would convict it if its fault counted as an answer.
+	waitFor(t, "both faulty agents in 8 rounds", func() bool {
+		st := auditStatus(t, admin)
+		b, _ := standing(st, "busy")
+		c, _ := standing(st, "cut")
+		return b.Audits+b.Inconclusive >= 8 && c.Audits+c.Inconclusive >= 8
+	})
+	st := auditStatus(t, admin)
+	for _, name := range []string{"busy", "cut", "honest-0", "honest-1", "honest-2", "honest-3"} {
+		s, _ := standing(st, name)
+		t.Logf("%s: %d audits, %d agreements, %d inconclusive", name, s.Audits, s.Agreements, s.Inconclusive)
+		if s.Quarantine != nil || s.Audits != s.Agreements || s.Weight != 1 {
+			t.Errorf("%s held to disagree: %+v", name, s)
+		}
+	}
+}
+
+// faultEngine proxies to the engine at upstream, except chat completions:
+// "busy" answers them 503, "cut" ends every stream after its first event
+// without the [DONE] (the engine "restarts").
+func faultEngine(t testing.TB, upstream, mode string) http.Handler {
+	u, err := url.Parse(upstream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := httputil.NewSingleHostReverseProxy(u)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/chat/completions" {
+			proxy.ServeHTTP(w, r)
+			return
+		}
+		if mode == "busy" {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = io.WriteString(w, `{"error":{"message":"overloaded","type":"server_error"}}`)
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hel\"}}]}\n\n")
+		w.(http.Flusher).Flush()
+		panic(http.ErrAbortHandler)
+	})
+}
