@@ -498,6 +498,7 @@ type modelTraffic struct {
 	shapes  [16]shape
 	n       int                  // shapes seen; the ring holds the last len(shapes)
 	clients map[string]time.Time // client names that used the model recently
+	sampled time.Time            // when a request was last decoded for its shape
 }
 
 // maxShapeKeys bounds the top-level fields remembered of a request.
@@ -518,17 +519,43 @@ type shape struct {
 // maxClientsPerModel bounds the client names remembered per model.
 const maxClientsPerModel = 64
 
-// observeRequest notes the shape of a client request for model, sent by
-// client (the API key's name; empty without keys).
-func (a *auditor) observeRequest(model, client string, body []byte, h http.Header) {
-	sh, ok := shapeOf(body)
-	if !ok {
+// shapeEvery is how often a model's request is decoded for its shape (and
+// its prompt's size): decoding every request would cost the relay's hot
+// path a JSON parse of the prompt.
+const shapeEvery = 200 * time.Millisecond
+
+// answered takes one client request for model, sent by client (the API
+// key's name; empty without keys), and its answer as tap saw it: the
+// request's shape is kept now and then, the answer's tokens feed the
+// budget, and the cheap checks look at it. Deferred by the request path;
+// rl says who served.
+func (a *auditor) answered(model, client string, body []byte, h http.Header, stream bool, tap *answerTap, rl *reqLog) {
+	now := a.r.cfg.Clock.Now()
+	a.mu.Lock()
+	t := a.traffic[model]
+	sample := t == nil || now.Sub(t.sampled) >= shapeEvery
+	if sample && t != nil {
+		t.sampled = now
+	}
+	a.mu.Unlock()
+	o := audit.Observed{Model: model, RequestBytes: len(body)}
+	if sample {
+		if sh, ok := shapeOf(body); ok {
+			o.PromptText, o.Messages = sh.promptBytes, sh.messages
+			sh.header = make(http.Header, len(forwardedHeaders))
+			copyRequestHeaders(sh.header, h)
+			delete(sh.header, HeaderSession)
+			a.addShape(now, model, client, sh)
+		}
+	}
+	if rl.agent == "" || a.r.providers.get(rl.agent) != nil || !tap.observed(&o, stream) {
 		return
 	}
-	sh.header = make(http.Header, len(forwardedHeaders))
-	copyRequestHeaders(sh.header, h)
-	delete(sh.header, HeaderSession)
-	now := a.r.cfg.Clock.Now()
+	a.observeAnswer(rl.agent, o)
+}
+
+// addShape keeps a request's shape for model.
+func (a *auditor) addShape(now time.Time, model, client string, sh shape) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	t := a.traffic[model]
@@ -536,7 +563,7 @@ func (a *auditor) observeRequest(model, client string, body []byte, h http.Heade
 		if len(a.traffic) >= maxShapeModels {
 			return
 		}
-		t = &modelTraffic{clients: make(map[string]time.Time)}
+		t = &modelTraffic{clients: make(map[string]time.Time), sampled: now}
 		a.traffic[model] = t
 	}
 	t.shapes[t.n%len(t.shapes)] = sh
@@ -724,8 +751,8 @@ func (a *auditor) text(n int) string {
 	return strings.TrimSpace(b.String())
 }
 
-// observeAnswer takes one answered client request: its tokens feed the
-// budget, and the cheap checks look at it.
+// observeAnswer takes one answered client request of agent: its tokens
+// feed the budget, and the cheap checks look at it.
 func (a *auditor) observeAnswer(agent string, o audit.Observed) {
 	tokens := o.RequestBytes/4 + o.CompletionText/4
 	if o.Usage != nil {

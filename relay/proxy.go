@@ -68,9 +68,6 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	}
 	session := sessionKey(req, rt)
 	rl.model, rl.stream, rl.session = rt.model, rt.stream, session != ""
-	if r.audits != nil {
-		r.audits.observeRequest(rt.model, "", body, req.Header)
-	}
 
 	r.installBinding(session)
 	blocks := r.promptBlocks(body) // prefix.go
@@ -78,6 +75,14 @@ func (r *Relay) serveInference(w http.ResponseWriter, req *http.Request, rl *req
 	sr := scheduler.Request{Model: rt.model, SessionKey: session, Prefix: *blocks}
 	if w, err = r.routeAPI(w, req, rt, &sr); err != nil { // responses.go
 		return err
+	}
+	if r.audits != nil && req.URL.Path == "/v1/chat/completions" {
+		// The auditor learns the request's shape and checks the answer
+		// (audit.go).
+		tap := newAnswerTap(w)
+		defer tap.release()
+		w = tap
+		defer r.audits.answered(rt.model, "", body, req.Header, rt.stream, tap, rl)
 	}
 	att := r.sched.Begin(sr)
 	var (
