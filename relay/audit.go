@@ -446,6 +446,7 @@ func (a *auditor) ask(ctx context.Context, name string, body []byte, hdr http.He
 		return audit.Completion{}, 0, fmt.Errorf("%w (%d)", errAuditStatus, resp.StatusCode)
 	}
 	var comp audit.Completion
+	events := 0 // stream events: about one per token
 	lr := io.LimitReader(resp.Body, maxAuditAnswer)
 	if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
 		sc := bufio.NewScanner(lr)
@@ -461,6 +462,7 @@ func (a *auditor) ask(ctx context.Context, name string, body []byte, hdr http.He
 				done = true
 				continue
 			}
+			events++
 			if err := comp.StreamChunk(data); err != nil {
 				return audit.Completion{}, 0, err
 			}
@@ -482,11 +484,23 @@ func (a *auditor) ask(ctx context.Context, name string, body []byte, hdr http.He
 			return audit.Completion{}, 0, err
 		}
 	}
-	tokens := len(body)/4 + len(comp.Answer.Text)/4
+	tokens := estimateTokens(len(body), len(comp.Answer.Text), events)
 	if u := comp.Usage; u != nil {
 		tokens = u.Prompt + u.Completion
 	}
 	return comp, tokens, nil
+}
+
+// estimateTokens stands in for an answer's usage when it has none (a
+// stream whose client did not ask for it): a token per 4 bytes of the
+// request, and a token per stream event (engines send about one token per
+// event) or per 4 bytes of a whole answer's text. Client answers and audit
+// answers are counted alike.
+func estimateTokens(requestBytes, textBytes, events int) int {
+	if events > 0 {
+		return requestBytes/4 + events
+	}
+	return requestBytes/4 + textBytes/4
 }
 
 // Traffic shapes: what the auditor knows of a model's client requests, to
@@ -548,10 +562,14 @@ func (a *auditor) answered(model, client string, body []byte, h http.Header, str
 			a.addShape(now, model, client, sh)
 		}
 	}
-	if rl.agent == "" || a.r.providers.get(rl.agent) != nil || !tap.observed(&o, stream) {
+	if rl.agent == "" || a.r.providers.get(rl.agent) != nil {
 		return
 	}
-	a.observeAnswer(rl.agent, o)
+	events, ok := tap.observed(&o, stream)
+	if !ok {
+		return
+	}
+	a.observeAnswer(rl.agent, o, events)
 }
 
 // addShape keeps a request's shape for model.
@@ -752,9 +770,10 @@ func (a *auditor) text(n int) string {
 }
 
 // observeAnswer takes one answered client request of agent: its tokens
-// feed the budget, and the cheap checks look at it.
-func (a *auditor) observeAnswer(agent string, o audit.Observed) {
-	tokens := o.RequestBytes/4 + o.CompletionText/4
+// feed the budget, and the cheap checks look at it. events is the
+// answer's stream events (0 for a whole answer).
+func (a *auditor) observeAnswer(agent string, o audit.Observed, events int) {
+	tokens := estimateTokens(o.RequestBytes, o.CompletionText, events)
 	if o.Usage != nil {
 		tokens = o.Usage.Prompt + o.Usage.Completion
 	}

@@ -17,6 +17,8 @@ type answerTap struct {
 	http.ResponseWriter
 	status int
 	bytes  int
+	events int    // "data: " seen: a stream's events, about one per token
+	carry  []byte // the last len(dataPrefix)-1 bytes written, for a prefix split between writes
 	head   []byte // the first maxTapHead bytes
 	tail   []byte // the last maxTapTail bytes, a ring while full
 	ring   int    // next write position in tail once full
@@ -27,6 +29,8 @@ const (
 	maxTapHead = 64 << 10
 	maxTapTail = 4 << 10
 )
+
+var dataPrefix = []byte("data: ")
 
 var tapPool = sync.Pool{New: func() any {
 	return &answerTap{head: make([]byte, 0, 4<<10), tail: make([]byte, 0, maxTapTail)}
@@ -40,7 +44,7 @@ func newAnswerTap(w http.ResponseWriter) *answerTap {
 
 // release returns the tap to the pool; it must not be used after.
 func (t *answerTap) release() {
-	*t = answerTap{head: t.head[:0], tail: t.tail[:0]}
+	*t = answerTap{head: t.head[:0], tail: t.tail[:0], carry: t.carry[:0]}
 	tapPool.Put(t)
 }
 
@@ -66,6 +70,7 @@ func (t *answerTap) Write(b []byte) (int, error) {
 
 func (t *answerTap) keep(b []byte) {
 	t.bytes += len(b)
+	t.countEvents(b)
 	if room := maxTapHead - len(t.head); room > 0 {
 		t.head = append(t.head, b[:min(room, len(b))]...)
 	}
@@ -88,6 +93,29 @@ func (t *answerTap) keep(b []byte) {
 	}
 }
 
+// countEvents counts dataPrefix in b, and across the boundary with the
+// bytes written before.
+func (t *answerTap) countEvents(b []byte) {
+	k := len(dataPrefix) - 1
+	joined := len(t.carry) > 0
+	if joined {
+		// A match here straddles the boundary: the carry alone is too short
+		// for one, and so is the head of b.
+		t.carry = append(t.carry, b[:min(k, len(b))]...)
+		t.events += bytes.Count(t.carry, dataPrefix)
+	}
+	t.events += bytes.Count(b, dataPrefix)
+	switch {
+	case len(b) >= k:
+		t.carry = append(t.carry[:0], b[len(b)-k:]...)
+	case !joined:
+		t.carry = append(t.carry, b...)
+	}
+	if n := len(t.carry); n > k {
+		t.carry = append(t.carry[:0], t.carry[n-k:]...)
+	}
+}
+
 // lastBytes returns the tail in order.
 func (t *answerTap) lastBytes() []byte {
 	if !t.full {
@@ -98,21 +126,22 @@ func (t *answerTap) lastBytes() []byte {
 
 // observed fills o from the answer: the model it names, its usage and the
 // bytes of generated text (for a stream: every byte streamed, an upper
-// bound). ok is false when the answer was not a successful completion.
-func (t *answerTap) observed(o *audit.Observed, stream bool) bool {
+// bound). events is a stream's event count (0 for a whole answer). ok is
+// false when the answer was not a successful completion.
+func (t *answerTap) observed(o *audit.Observed, stream bool) (events int, ok bool) {
 	if t.status != http.StatusOK {
-		return false
+		return 0, false
 	}
 	if !stream {
 		if t.bytes > len(t.head) {
-			return false // too large to have been kept whole
+			return 0, false // too large to have been kept whole
 		}
 		c, err := audit.ParseCompletion(t.head)
 		if err != nil {
-			return false
+			return 0, false
 		}
 		o.Answered, o.Usage, o.CompletionText = c.Model, c.Usage, len(c.Answer.Text)
-		return true
+		return 0, true
 	}
 	var c audit.Completion
 	for line := range bytes.SplitSeq(t.lastBytes(), []byte("\n")) {
@@ -123,5 +152,5 @@ func (t *answerTap) observed(o *audit.Observed, stream bool) bool {
 		_ = c.StreamChunk(data) // a chunk cut by the tail's start is skipped
 	}
 	o.Answered, o.Usage, o.CompletionText = c.Model, c.Usage, t.bytes
-	return true
+	return t.events, true
 }

@@ -43,7 +43,11 @@ func TestAnswerTap(t *testing.T) {
 				t.Fatalf("piece %d: the answer changed on its way", piece)
 			}
 			var o audit.Observed
-			if !tap.observed(&o, tc.stream) || o.Usage == nil || *o.Usage != tc.want || o.Answered != "m1" || o.CompletionText != tc.text {
+			events, ok := tap.observed(&o, tc.stream)
+			if wantEvents := strings.Count(tc.body, "data: "); events != wantEvents {
+				t.Errorf("piece %d: %d events, want %d", piece, events, wantEvents)
+			}
+			if !ok || o.Usage == nil || *o.Usage != tc.want || o.Answered != "m1" || o.CompletionText != tc.text {
 				t.Errorf("piece %d stream %v: %+v usage %+v", piece, tc.stream, o, o.Usage)
 			}
 			tap.release()
@@ -54,7 +58,7 @@ func TestAnswerTap(t *testing.T) {
 	tap := newAnswerTap(rec)
 	tap.WriteHeader(502)
 	_, _ = tap.Write([]byte(plain))
-	if tap.observed(&audit.Observed{}, false) {
+	if _, ok := tap.observed(&audit.Observed{}, false); ok {
 		t.Error("a 502 was checked as an answer")
 	}
 }

@@ -252,6 +252,13 @@ func validate(cfg Config) error {
 			errs = append(errs, fmt.Errorf("API key %d is empty or contains whitespace", i+1))
 		}
 	}
+	if a := cfg.Audit; a.Share > 1 || math.IsNaN(a.Share) || a.FloorEvery < 0 || a.References < 0 || a.MinConsensus < 0 || a.MaxTokens < 0 {
+		errs = append(errs, fmt.Errorf("audits: share %v must be at most 1 (negative: floor only), floor %v, references %d, consensus %d and max tokens %d not negative",
+			a.Share, a.FloorEvery, a.References, a.MinConsensus, a.MaxTokens))
+	}
+	if err := cfg.Audit.Policy.Validate(); err != nil {
+		errs = append(errs, err)
+	}
 	if cfg.NoP2P {
 		if cfg.Transport == nil {
 			errs = append(errs, errors.New("NoP2P needs a Transport to reach agents"))

@@ -18,6 +18,9 @@ import (
 // runBench compares routing policies on one workload and prints the table
 // (or JSON) for each scenario asked for.
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if auditScenario(args) {
+		return runBenchAudit(ctx, args, stdout, stderr)
+	}
 	if chaosScenario(args) {
 		return runBenchChaos(ctx, args, stdout, stderr)
 	}

@@ -1,0 +1,118 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/computeflux/computeflux/agent/llamaengine"
+	"github.com/computeflux/computeflux/cmd/computeflux/internal/chaos"
+)
+
+// auditScenario reports whether a bench command line asks for the audit
+// scenario (real processes, like chaos).
+func auditScenario(args []string) bool {
+	for i, a := range args {
+		v, ok := strings.CutPrefix(strings.TrimLeft(a, "-"), "scenario=")
+		if !ok && strings.TrimLeft(a, "-") == "scenario" && i+1 < len(args) {
+			v, ok = args[i+1], true
+		}
+		if ok && v == "audit" {
+			return true
+		}
+	}
+	return false
+}
+
+// runBenchAudit runs the audit scenario: this binary as a relay, sim
+// engines and agents (and llama.cpp engines when installed), some agents
+// serving another model under the claimed name; it prints who served what
+// and when the liars left routing, for each part:
+//
+//	catch      3 honest sim agents and 1 liar; 2 llama.cpp agents (one the
+//	           operator's reference) and 1 serving another GGUF
+//	honest     4 honest sim agents and 2 honest llama.cpp agents, audits
+//	           off, then on: every agent's share side by side
+//	collusion  1 honest agent and 2 liars: consensus alone, then with an
+//	           operator's reference
+func runBenchAudit(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var scenario, parts string
+	var quiet, noLlama bool
+	cfg := chaos.AuditConfig{}
+	fs := flag.NewFlagSet("bench --scenario audit", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&scenario, "scenario", "audit", "audit")
+	fs.StringVar(&parts, "parts", "catch,honest,collusion", "comma-separated `parts`: catch, honest, collusion")
+	fs.DurationVar(&cfg.Duration, "duration", 10*time.Minute, "load of the honest part (catch: a fifth of it, at least 2m; collusion: a tenth, at least 1m)")
+	fs.IntVar(&cfg.Workers, "clients", 4, "concurrent clients")
+	fs.BoolVar(&noLlama, "no-llama", false, "leave out the llama.cpp engines")
+	fs.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
+	}
+	bin, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("bench: audit: %w", err)
+	}
+	cfg.Binary = bin
+	if !quiet {
+		cfg.Progress = stderr
+	}
+	llama := !noLlama
+	if err := llamaengine.Available(""); llama && err != nil {
+		fmt.Fprintf(stderr, "bench: audit: without llama.cpp engines: %v\n", err)
+		llama = false
+	}
+	full := cfg.Duration
+	for _, part := range strings.Split(parts, ",") {
+		var runs []chaos.AuditConfig
+		switch part {
+		case "catch":
+			c := cfg
+			c.Duration = max(full/5, 2*time.Minute)
+			c.Groups = []chaos.AuditGroup{{Honest: 3, Liars: 1}}
+			if llama {
+				c.Groups = append(c.Groups, chaos.AuditGroup{Reference: true, Honest: 1, Liars: 1, Llama: true})
+			}
+			runs = append(runs, c)
+		case "honest":
+			c := cfg
+			c.Groups = []chaos.AuditGroup{{Honest: 4}}
+			if llama {
+				c.Groups = append(c.Groups, chaos.AuditGroup{Honest: 2, Llama: true})
+			}
+			off := c
+			off.RelayArgs = []string{"--no-audits"}
+			runs = append(runs, off, c)
+		case "collusion":
+			c := cfg
+			c.Duration = max(full/10, time.Minute)
+			c.Groups = []chaos.AuditGroup{{Honest: 1, Liars: 2}}
+			ref := c
+			ref.Groups = []chaos.AuditGroup{{Honest: 1, Liars: 2, Reference: true}}
+			runs = append(runs, c, ref)
+		default:
+			return fmt.Errorf("bench: audit: unknown part %q (catch, honest, collusion)", part)
+		}
+		for _, c := range runs {
+			fmt.Fprintf(stdout, "== %s: %v, relay %v\n", part, c.Groups, c.RelayArgs)
+			rctx, cancel := context.WithTimeout(ctx, c.Duration+5*time.Minute)
+			res, err := chaos.RunAudit(rctx, c)
+			cancel()
+			if res != nil {
+				res.Write(stdout)
+			}
+			if err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
