@@ -202,7 +202,13 @@ type Agent struct {
 	engineOK bool
 	failures int
 	metrics  EngineMetrics
-	engine   EngineInfo // what identify found (engine.go)
+	// metricsAt is when metrics last got load figures from the engine
+	// (zero: never); metricsErr is the last failed read; loadStale is set
+	// while the figures are reported unknown for their age (load.go).
+	metricsAt  time.Time
+	metricsErr error
+	loadStale  bool
+	engine     EngineInfo // what identify found (engine.go)
 	// identified is set once the engine was identified since it last
 	// became available. unsettled counts the identifications in a row
 	// that an engine not ready was cut short (a probe got no answer, or a
@@ -283,8 +289,9 @@ func (a *Agent) ID() peer.ID { return a.id }
 // InFlight returns the number of requests being served.
 func (a *Agent) InFlight() int { return int(a.inflight.Load()) }
 
-// Metrics returns the engine's load as last read from its /metrics, and
-// whether any was read.
+// Metrics returns the engine's load as last read from its /metrics (zero
+// when none was), however old: gossip carries it only while it is fresh
+// (see load.go).
 func (a *Agent) Metrics() EngineMetrics {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -343,7 +350,8 @@ func (a *Agent) notify() {
 // (reconnecting forever with capped, jittered exponential backoff) and serves
 // the relay's requests until ctx ends. It then drains: reports itself
 // draining, waits for in-flight requests up to DrainTimeout, leaves the relay
-// and closes the host. It returns nil after a stop by ctx.
+// and closes the host. It returns nil after a stop by ctx, and an error
+// wrapping the cause when its stream server stopped serving on its own.
 func (a *Agent) Run(ctx context.Context) error {
 	// NAT traversal: a reservation at our relay, so that other agents reach
 	// us through its circuit, and hole punching towards them.
@@ -388,6 +396,18 @@ func (a *Agent) Run(ctx context.Context) error {
 		return fmt.Errorf("agent: %w", err)
 	}
 	defer srv.Close()
+	// A stream server that stops on its own serves nothing more: the agent
+	// says so and stops, so that its supervisor starts it again.
+	ctx, stopRun := context.WithCancelCause(ctx)
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		a.watchServer(ctx, srv, stopRun)
+	}()
+	defer func() {
+		stopRun(nil)
+		<-watched
+	}()
 
 	bg, stopBg := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -412,7 +432,36 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 
 	a.drain(a.runRelays(ctx, h))
+	if err := context.Cause(ctx); errors.Is(err, errServerStopped) {
+		return err
+	}
 	return nil
+}
+
+// errServerStopped is the cause of an agent's stop when its stream server
+// stopped serving on its own.
+var errServerStopped = errors.New("agent: stream server stopped serving")
+
+// servingServer is what watchServer watches: transport.HTTPServer.
+type servingServer interface {
+	Done() <-chan struct{}
+	Err() error
+}
+
+// watchServer waits until ctx ends or srv stops serving on its own; then it
+// logs why and stops the agent's run (stop) with errServerStopped.
+func (a *Agent) watchServer(ctx context.Context, srv servingServer, stop context.CancelCauseFunc) {
+	select {
+	case <-ctx.Done():
+		return
+	case <-srv.Done():
+	}
+	err := srv.Err()
+	if err == nil {
+		return // closed by Run
+	}
+	a.log.Error().Err(err).Msg("stream server stopped serving: no request reaches the engine any more; stopping")
+	stop(fmt.Errorf("%w: %w", errServerStopped, err))
 }
 
 // stayJoined keeps a registration with relay l until ctx ends and returns
@@ -624,8 +673,8 @@ func (a *Agent) refresh(ctx context.Context) {
 			a.log.Warn().Str("upstream", a.upstream.Redacted()).
 				Msg("engine not identified yet (no answer, or 502, 503 or 504, as while it loads its model): serving its OpenAI endpoints meanwhile; asking again")
 		case eng.Kind == EngineUnknown:
-			a.log.Warn().Str("upstream", a.upstream.Redacted()).
-				Msg("engine not recognised (not vLLM, SGLang, TGI, llama.cpp or Ollama): serving its OpenAI endpoints with models only, no load figures")
+			a.log.Warn().Str("upstream", a.upstream.Redacted()).Strs("apis", eng.APIs).
+				Msg("engine not recognised (not vLLM, SGLang, TGI, llama.cpp or Ollama): serving its OpenAI endpoints and the optional APIs it answered for, no load figures")
 		default:
 			a.log.Info().Str("engine", string(eng.Kind)).Str("version", eng.Version).
 				Int("kv_capacity_tokens", eng.KVCapacityTokens).Strs("apis", eng.APIs).Str("evidence", eng.Evidence).
@@ -666,11 +715,18 @@ func (a *Agent) refresh(ctx context.Context) {
 		a.engineOK = true
 		a.models = models
 	}
-	if metErr == nil && err == nil {
-		a.metrics = met
+	var load loadChange
+	switch {
+	case err != nil:
+		load = a.noteLoadLocked(time.Now(), nil, errEngineDown)
+	case metErr != nil:
+		load = a.noteLoadLocked(time.Now(), nil, metErr)
+	default:
+		load = a.noteLoadLocked(time.Now(), &met, nil)
 	}
 	nowOK, after := a.engineOK, a.models
 	a.mu.Unlock()
+	a.logLoadChange(load)
 
 	if err != nil && ctx.Err() == nil {
 		a.log.Warn().Err(err).Msg("engine model discovery failed")

@@ -3,6 +3,7 @@ package agent
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -13,12 +14,14 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/computeflux/computeflux/transport"
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/rs/zerolog"
 	"go.uber.org/goleak"
 )
 
@@ -116,6 +119,8 @@ type engine struct {
 	auth     []string
 	release  chan struct{} // the streaming handler waits on it between events
 	canceled chan struct{} // closed when a streaming request's context ends early
+	// metricsBroken makes /metrics answer 500, as a broken exporter does.
+	metricsBroken atomic.Bool
 }
 
 func newEngine(t *testing.T) *engine {
@@ -135,6 +140,10 @@ func newEngine(t *testing.T) *engine {
 			}
 			fmt.Fprintf(w, `{"object":"list","data":[%s]}`, strings.Join(data, ","))
 		case "/metrics":
+			if e.metricsBroken.Load() {
+				http.Error(w, "exporter broken", http.StatusInternalServerError)
+				return
+			}
 			fmt.Fprint(w, "vllm:num_requests_running{model_name=\"x\"} 3\nvllm:num_requests_waiting{model_name=\"x\"} 2\nvllm:kv_cache_usage_perc{model_name=\"x\"} 0.25\n")
 		case "/v1/chat/completions":
 			body, _ := io.ReadAll(r.Body)
@@ -530,5 +539,50 @@ func TestAgentPassesEngineTrailers(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK || string(b) != `{"object":"list","data":[]}` || resp.Trailer.Get("X-Engine-Check") != "sum" {
 		t.Fatalf("%d %q, trailer %v", resp.StatusCode, b, resp.Trailer)
+	}
+}
+
+// failedServer is a stream server that stopped serving on its own.
+type failedServer struct{ done chan struct{} }
+
+func (s failedServer) Done() <-chan struct{} { return s.done }
+func (s failedServer) Err() error            { return errors.New("accept: listener gone") }
+
+// A stream server that stops serving on its own is logged, with its
+// error, and stops the agent's run with that cause; one closed by Run is
+// not an error.
+func TestStreamServerFailureIsLoggedAndStopsTheAgent(t *testing.T) {
+	var logs syncLog
+	a := &Agent{log: zerolog.New(&logs)}
+	srv := failedServer{done: make(chan struct{})}
+	close(srv.done)
+	ctx, stop := context.WithCancelCause(context.Background())
+	defer stop(nil)
+	a.watchServer(ctx, srv, stop)
+	if err := context.Cause(ctx); !errors.Is(err, errServerStopped) || !strings.Contains(err.Error(), "listener gone") {
+		t.Fatalf("run's cause %v, want the stream server's failure", err)
+	}
+	if !strings.Contains(logs.String(), `"level":"error"`) || !strings.Contains(logs.String(), "listener gone") {
+		t.Fatalf("log %q, want an error line with the cause", logs.String())
+	}
+
+	// Stopped by Close: Done closed, no error, nothing logged.
+	var quiet syncLog
+	b := &Agent{log: zerolog.New(&quiet)}
+	h, err := transport.NewHost(transport.HostConfig{ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	hs, err := transport.ServeHTTP(h, http.NotFoundHandler(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs.Close()
+	ctx2, stop2 := context.WithCancelCause(context.Background())
+	defer stop2(nil)
+	b.watchServer(ctx2, hs, stop2)
+	if ctx2.Err() != nil || quiet.String() != "" {
+		t.Fatalf("after Close: cause %v, log %q", context.Cause(ctx2), quiet.String())
 	}
 }

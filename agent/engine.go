@@ -93,6 +93,23 @@ func (p *engineProber) get(ctx context.Context, path string) ([]byte, bool) {
 // (maxMetricsBody for /metrics); ok says whether the answer shows the
 // route: 200 for a GET, anything but 404 and 405 for a POST.
 func (p *engineProber) do(ctx context.Context, method, path string, body []byte) ([]byte, bool) {
+	status, b := p.ask(ctx, method, path, body)
+	switch {
+	case status == 0 || transientStatus(status):
+		return b, false
+	case method == http.MethodPost:
+		// A route that exists rejects an empty request (400, 422, 500);
+		// one that does not answers 404 or 405.
+		return b, status != http.StatusNotFound && status != http.StatusMethodNotAllowed
+	}
+	return b, status == http.StatusOK
+}
+
+// ask sends method path and returns the status and the answer, read up to
+// maxProbeBody (maxMetricsBody for /metrics); status 0 when no answer
+// came. No answer, or a "not now" (transientStatus), leaves the prober
+// unsettled.
+func (p *engineProber) ask(ctx context.Context, method, path string, body []byte) (int, []byte) {
 	limit := int64(maxProbeBody)
 	if path == "/metrics" {
 		limit = maxMetricsBody
@@ -100,24 +117,18 @@ func (p *engineProber) do(ctx context.Context, method, path string, body []byte)
 	resp, err := p.send(ctx, method, path, body)
 	if err != nil {
 		p.unsettled = true
-		return nil, false
+		return 0, nil
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(io.LimitReader(resp.Body, limit))
 	if err != nil {
 		p.unsettled = true
-		return nil, false
+		return 0, nil
 	}
 	if transientStatus(resp.StatusCode) {
 		p.unsettled = true
-		return b, false
 	}
-	if method == http.MethodPost {
-		// A route that exists rejects an empty request (400, 422, 500);
-		// one that does not answers 404 or 405.
-		return b, resp.StatusCode != http.StatusNotFound && resp.StatusCode != http.StatusMethodNotAllowed
-	}
-	return b, resp.StatusCode == http.StatusOK
+	return resp.StatusCode, b
 }
 
 // open GETs path for the caller to read as a stream; an answer other than
@@ -285,20 +296,18 @@ func (p *engineProber) identify(ctx context.Context, ownedBy string) (info Engin
 			}
 		}
 	}
-	if info.Kind != EngineUnknown {
-		// An unknown engine is served by its OpenAI endpoints only: it
-		// gets no probe that it might take for a request.
-		info.APIs = p.apis(ctx)
-	}
+	info.APIs = p.apis(ctx, info.Kind != EngineUnknown)
 	return info, load, !p.unsettled
 }
 
-// apis finds which optional APIs a recognised engine serves: from its
-// OpenAPI document when it has one (vLLM and SGLang are FastAPI servers,
-// TGI publishes /api-doc/openapi.json), else (llama.cpp, Ollama, a vLLM
-// started with --disable-fastapi-docs) by sending each path an empty
-// request and seeing whether the route exists.
-func (p *engineProber) apis(ctx context.Context) []string {
+// apis finds which optional APIs the engine serves: from its OpenAPI
+// document when it has one (vLLM and SGLang are FastAPI servers, TGI
+// publishes /api-doc/openapi.json, and so do many OpenAI-compatible
+// servers), else by asking each path. A recognised engine (llama.cpp,
+// Ollama, a vLLM started with --disable-fastapi-docs) is sent an empty
+// request, which it rejects: the route exists unless it answers 404 or
+// 405. An engine not recognised is asked as apisByRejection says.
+func (p *engineProber) apis(ctx context.Context, recognised bool) []string {
 	for _, doc := range []string{"/openapi.json", "/api-doc/openapi.json"} {
 		b, ok := p.get(ctx, doc)
 		if !ok {
@@ -314,11 +323,47 @@ func (p *engineProber) apis(ctx context.Context) []string {
 			return out
 		}
 	}
+	if !recognised {
+		return p.apisByRejection(ctx)
+	}
 	var out []string
 	for _, a := range optionalAPIs {
 		if _, ok := p.do(ctx, http.MethodPost, a, []byte("{}")); ok {
 			out = append(out, a)
 		}
+	}
+	return out
+}
+
+// notJSON is the body an engine not recognised is probed with: it is not
+// JSON, so no server can take it for a request, whatever defaults it fills
+// in for a missing model or input, and no token is ever generated for it.
+var notJSON = []byte(`{"model":`)
+
+// noSuchAPI is a path no engine serves, asked to tell an engine that
+// reads bodies before it routes (every path a 400) from one that has the
+// routes asked about.
+const noSuchAPI = "/v1/computeflux-no-such-api"
+
+// apisByRejection finds the optional APIs of an engine not recognised by
+// sending each path a body that is not JSON: a route that exists rejects
+// it as a bad request (400 or 422); one that does not answers 404 or 405,
+// or what some servers answer for an unknown route (LM Studio: 200 with an
+// error). If a path no engine serves is rejected the same way, the engine
+// checks bodies before routes and its answers show nothing: it gets none.
+func (p *engineProber) apisByRejection(ctx context.Context) []string {
+	rejects := func(path string) bool {
+		status, _ := p.ask(ctx, http.MethodPost, path, notJSON)
+		return status == http.StatusBadRequest || status == http.StatusUnprocessableEntity
+	}
+	var out []string
+	for _, a := range optionalAPIs {
+		if rejects(a) {
+			out = append(out, a)
+		}
+	}
+	if len(out) > 0 && rejects(noSuchAPI) {
+		return nil
 	}
 	return out
 }

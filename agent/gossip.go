@@ -57,10 +57,13 @@ func (a *Agent) Gossip() *transport.Gossip {
 }
 
 // gossipMeta is the agent's health as published in gossip.
-func (a *Agent) gossipMeta() transport.NodeMeta {
+func (a *Agent) gossipMeta() transport.NodeMeta { return a.gossipMetaAt(time.Now()) }
+
+// gossipMetaAt is gossipMeta with the load figures aged at now.
+func (a *Agent) gossipMetaAt(now time.Time) transport.NodeMeta {
 	a.mu.Lock()
 	models := slices.Clone(a.models)
-	met := a.metrics
+	met, known := a.loadLocked(now)
 	engineOK := a.engineOK
 	a.mu.Unlock()
 	return transport.NodeMeta{
@@ -74,6 +77,7 @@ func (a *Agent) gossipMeta() transport.NodeMeta {
 		KVCacheUsage: met.KVCacheUsage,
 		Draining:     a.draining.Load(),
 		Unavailable:  !engineOK,
+		LoadUnknown:  !known,
 	}
 }
 
@@ -228,7 +232,8 @@ func (a *Agent) waitReservation(ctx context.Context, limit time.Duration) {
 }
 
 // metricsLoop reads the engine's /metrics every interval while the engine
-// answers, so that gossip carries fresh load.
+// answers, so that gossip carries fresh load, and ages the figures when a
+// read fails (load.go).
 func (a *Agent) metricsLoop(ctx context.Context, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
@@ -238,19 +243,27 @@ func (a *Agent) metricsLoop(ctx context.Context, interval time.Duration) {
 			return
 		case <-t.C:
 		}
-		a.mu.Lock()
-		ok := a.engineOK
-		a.mu.Unlock()
-		if !ok {
-			continue
-		}
-		met, err := a.scrapeMetrics(ctx)
-		if err != nil {
-			continue
-		}
-		a.mu.Lock()
-		a.metrics = met
-		a.mu.Unlock()
+		a.scrapeOnce(ctx, time.Now())
+	}
+}
+
+// scrapeOnce reads the engine's load once, if the engine answers, and
+// records the read (or its failure) as made at now.
+func (a *Agent) scrapeOnce(ctx context.Context, now time.Time) {
+	a.mu.Lock()
+	ok := a.engineOK
+	a.mu.Unlock()
+	if !ok {
+		a.noteLoad(now, nil, errEngineDown)
+		return
+	}
+	met, err := a.scrapeLoad(ctx, EngineInfo{}, false)
+	switch {
+	case ctx.Err() != nil:
+	case err != nil:
+		a.noteLoad(now, nil, err)
+	default:
+		a.noteLoad(now, &met, nil)
 	}
 }
 

@@ -5,12 +5,14 @@ import (
 	"context"
 	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/hashicorp/memberlist"
 	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/transport"
 )
@@ -170,3 +172,104 @@ func waitMemberlistStopped(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// TestStaleLoadReportedUnknown: when the engine's /metrics stops answering,
+// the last figures are published for metricsStaleScrapes scrape intervals
+// and then reported unknown (zero, LoadUnknown set), neither idle nor
+// saturated; the agent logs once when they go stale and once when a read
+// brings them back. Time is injected: each scrape is made at a chosen
+// instant.
+func TestStaleLoadReportedUnknown(t *testing.T) {
+	e := newEngine(t)
+	var logs syncLog
+	a, err := New(Config{
+		Relay:    "/ip4/127.0.0.1/udp/1/quic-v1/p2p/12D3KooWGzh9fVnBvQUzvTDiStHRrptQhY1SDCNwX5UzqjmdBM1A",
+		Token:    token,
+		Upstream: e.srv.URL,
+		Name:     "gpu-1",
+		Logger:   zerolog.New(&logs),
+		Gossip:   GossipConfig{MetricsInterval: time.Second},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	a.refresh(ctx)
+	a.mu.Lock()
+	readAt := a.metricsAt
+	a.mu.Unlock()
+	every := a.scrapeInterval()
+	if every != time.Second || readAt.IsZero() {
+		t.Fatalf("scrape interval %v, figures read at %v", every, readAt)
+	}
+	fresh := func(m transport.NodeMeta) bool {
+		return !m.LoadUnknown && m.Running == 3 && m.Waiting == 2 && m.KVCacheUsage == 0.25
+	}
+	unknown := func(m transport.NodeMeta) bool {
+		return m.LoadUnknown && m.Running == 0 && m.Waiting == 0 && m.KVCacheUsage == 0
+	}
+	if m := a.gossipMetaAt(readAt); !fresh(m) {
+		t.Fatalf("after a good read: %+v", m)
+	}
+
+	e.metricsBroken.Store(true)
+	staleAt := readAt.Add(metricsStaleScrapes * every)
+	for i := 1; i <= metricsStaleScrapes+3; i++ {
+		now := readAt.Add(time.Duration(i) * every)
+		a.scrapeOnce(ctx, now)
+		m := a.gossipMetaAt(now)
+		if now.After(staleAt) {
+			if !unknown(m) {
+				t.Fatalf("scrape %d, %v after the last good read: %+v, want the load unknown", i, now.Sub(readAt), m)
+			}
+		} else if !fresh(m) {
+			t.Fatalf("scrape %d, %v after the last good read: %+v, want the last figures", i, now.Sub(readAt), m)
+		}
+	}
+	if m := a.gossipMetaAt(staleAt); !fresh(m) {
+		t.Errorf("at exactly %d scrape intervals: %+v, want the last figures", metricsStaleScrapes, m)
+	}
+	if m := a.gossipMetaAt(staleAt.Add(time.Nanosecond)); !unknown(m) {
+		t.Errorf("just past %d scrape intervals: %+v, want unknown", metricsStaleScrapes, m)
+	}
+	if n := logs.count("engine load figures stale"); n != 1 {
+		t.Errorf("%d stale lines, want 1:\n%s", n, logs.String())
+	}
+	if !strings.Contains(logs.String(), "status 500") {
+		t.Errorf("the stale line does not say why:\n%s", logs.String())
+	}
+
+	e.metricsBroken.Store(false)
+	back := readAt.Add(20 * every)
+	a.scrapeOnce(ctx, back)
+	a.scrapeOnce(ctx, back.Add(every))
+	if m := a.gossipMetaAt(back.Add(every)); !fresh(m) {
+		t.Errorf("after the engine answered again: %+v", m)
+	}
+	if n := logs.count("engine load figures read again"); n != 1 {
+		t.Errorf("%d recovery lines, want 1:\n%s", n, logs.String())
+	}
+	if n := logs.count("engine load figures stale"); n != 1 {
+		t.Errorf("%d stale lines after the recovery, want 1", n)
+	}
+}
+
+// syncLog collects log lines from several goroutines.
+type syncLog struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *syncLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *syncLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+func (l *syncLog) count(s string) int { return strings.Count(l.String(), s) }

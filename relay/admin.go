@@ -401,6 +401,13 @@ func (r *Relay) serveAdmin() (stop func(), err error) {
 	if err != nil {
 		return nil, fmt.Errorf("relay: admin listen: %w", err)
 	}
+	return r.serveAdminOn(ln), nil
+}
+
+// serveAdminOn serves the admin API on ln until the returned function
+// stops it. Serving that stops on its own (the listener failed) is logged:
+// the admin API and status page are gone while the relay serves on.
+func (r *Relay) serveAdminOn(ln net.Listener) (stop func()) {
 	r.adminAddr.Store(ln.Addr().String())
 	srv := &http.Server{
 		Handler:           r.AdminHandler(),
@@ -411,7 +418,9 @@ func (r *Relay) serveAdmin() (stop func(), err error) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		_ = srv.Serve(ln)
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			r.log.Error().Err(err).Str("addr", ln.Addr().String()).Msg("relay admin stopped serving: no admin API or status page until the relay restarts")
+		}
 	}()
 	r.log.Info().Str("addr", ln.Addr().String()).Bool("status_public", r.cfg.StatusPublic).Bool("admin_api", r.cfg.AdminKey != "").Msg("relay admin listening")
 	return func() {
@@ -421,7 +430,7 @@ func (r *Relay) serveAdmin() (stop func(), err error) {
 			_ = srv.Close()
 		}
 		<-done
-	}, nil
+	}
 }
 
 // AdminAddr returns the admin listener's address once Serve runs it; empty

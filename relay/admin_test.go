@@ -3,8 +3,10 @@ package relay
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -413,5 +415,43 @@ func TestStatusPage(t *testing.T) {
 	}
 	if st, _ := adminDo(t, srv2, "GET", "/admin/v1/endpoints", "", ""); st != http.StatusUnauthorized {
 		t.Fatalf("admin API without a key configured: %d", st)
+	}
+}
+
+// failingListener fails every Accept, as a listener closed under its
+// server does.
+type failingListener struct{ net.Listener }
+
+func (l failingListener) Accept() (net.Conn, error) { return nil, errors.New("accept: listener gone") }
+
+// The admin server stopping on its own is logged with its error; stopped
+// by the relay, it is not.
+func TestAdminServeErrorIsLogged(t *testing.T) {
+	tb := newTestbed(t, nil, func(c *Config) { c.AdminKey = adminKey })
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	stop := tb.relay.serveAdminOn(failingListener{ln})
+	defer stop()
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(tb.logs.String(), "relay admin stopped serving"); {
+		if time.Now().After(deadline) {
+			t.Fatalf("log %q, want the admin server's failure", tb.logs.String())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if logs := tb.logs.String(); !strings.Contains(logs, "listener gone") || !strings.Contains(logs, `"level":"error"`) {
+		t.Fatalf("log %q, want an error line with the cause", logs)
+	}
+
+	quiet := newTestbed(t, nil, func(c *Config) { c.AdminKey = adminKey })
+	ln2, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	quiet.relay.serveAdminOn(ln2)()
+	if logs := quiet.logs.String(); strings.Contains(logs, "stopped serving") {
+		t.Fatalf("a clean stop logged as a failure: %q", logs)
 	}
 }

@@ -184,6 +184,11 @@ type Config struct {
 	// buffered writer while lifecycle events go out at once. Nil means
 	// Logger.
 	RequestLogger *zerolog.Logger
+
+	// noLiveness turns the request path's liveness checks (acks and
+	// probes, liveness.go) off, so that a test sees gossip's own failure
+	// detection. Set by tests only (export_test.go).
+	noLiveness bool
 }
 
 // realClock is the wall clock.

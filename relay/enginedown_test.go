@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/agent"
 )
 
 // restartableEngine is an itEngine whose HTTP server can go down and come
@@ -39,21 +41,29 @@ func (e *restartableEngine) up(t *testing.T) {
 
 // Engine down, agent up: requests that meet the refused connection are
 // retried on another agent at once, and the agent drains (out of routing)
-// until its engine answers again.
+// until its engine answers again. The agent's periodic refresh is an hour
+// here: only the checks a failed request triggers (now, then every second
+// while the engine fails) can drain it, after two failed checks, and bring
+// it back after one good one; each is bounded by two of those seconds.
 func TestEngineDownAgentUp(t *testing.T) {
+	const (
+		recheck = time.Second // the agent's check interval while its engine fails
+		bound   = 2 * recheck
+	)
 	rl := startRelayLogger(t, zerolog.New(io.Discard))
 	down := newRestartableEngine(t, "down")
-	startRealAgent(t, rl, "down", down.itEngine)
-	startRealAgent(t, rl, "up", newITEngine(t, "up", "m1"))
+	noRefresh := func(c *agent.Config) { c.RefreshInterval = time.Hour }
+	startRealAgent(t, rl, "down", down.itEngine, noRefresh)
+	startRealAgent(t, rl, "up", newITEngine(t, "up", "m1"), noRefresh)
 	waitAgents(t, rl, "down", "up")
 
 	down.down()
 	stopped := time.Now()
 	c := newClient(t, rl.url)
 	for i := range 8 {
-		status, agent := c.chat("m1", "s"+string(rune('a'+i)))
-		if status != http.StatusOK || agent != "up" {
-			t.Fatalf("request %d with an engine down: status %d from %q, want 200 from up", i, status, agent)
+		status, served := c.chat("m1", "s"+string(rune('a'+i)))
+		if status != http.StatusOK || served != "up" {
+			t.Fatalf("request %d with an engine down: status %d from %q, want 200 from up", i, status, served)
 		}
 	}
 	draining := func() bool {
@@ -64,11 +74,20 @@ func TestEngineDownAgentUp(t *testing.T) {
 		}
 		return false
 	}
+	// Polled past the bound, so that a failure says how long it took.
 	waitFor(t, "the agent of the dead engine to drain", draining)
-	t.Logf("agent draining %v after its engine stopped", time.Since(stopped).Round(time.Millisecond))
+	if took := time.Since(stopped); took > bound {
+		t.Errorf("agent draining %v after its engine stopped, want within %v (two engine checks %v apart, the first at the first failed request)", took.Round(time.Millisecond), bound, recheck)
+	} else {
+		t.Logf("agent draining %v after its engine stopped", took.Round(time.Millisecond))
+	}
 
 	down.up(t)
 	back := time.Now()
 	waitAgents(t, rl, "down")
-	t.Logf("agent routable again %v after its engine came back", time.Since(back).Round(time.Millisecond))
+	if took := time.Since(back); took > bound {
+		t.Errorf("agent routable again %v after its engine came back, want within %v (the next engine check, %v apart)", took.Round(time.Millisecond), bound, recheck)
+	} else {
+		t.Logf("agent routable again %v after its engine came back", took.Round(time.Millisecond))
+	}
 }

@@ -90,15 +90,23 @@ type gossipPeer struct {
 
 // healthFromMeta turns an agent's gossip metadata into scheduler health.
 // The agent's own in-flight count covers requests from every relay and
-// engines without metrics: it stands in for Running when larger.
+// engines without metrics: it stands in for Running when larger. When the
+// agent says its engine's load is unknown (no figures, or stale ones), the
+// engine's figures are left at zero, which the scheduler reads as "no
+// data": it goes by the in-flight counts alone, neither idle nor saturated
+// on the word of an old scrape.
 func healthFromMeta(m transport.NodeMeta, suspect bool) scheduler.Health {
-	return scheduler.Health{
-		Suspect:      suspect,
-		Draining:     m.Draining || m.Unavailable,
-		Running:      max(m.Running, m.InFlight),
-		Waiting:      m.Waiting,
-		KVCacheUsage: m.KVCacheUsage,
+	h := scheduler.Health{
+		Suspect:  suspect,
+		Draining: m.Draining || m.Unavailable,
+		Running:  m.InFlight,
 	}
+	if !m.LoadUnknown {
+		h.Running = max(m.Running, m.InFlight)
+		h.Waiting = m.Waiting
+		h.KVCacheUsage = m.KVCacheUsage
+	}
+	return h
 }
 
 // leaveGrace is how long a peer whose registration ended stays admitted to

@@ -1,7 +1,6 @@
 package relay_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -9,7 +8,6 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -55,6 +53,7 @@ type gEngine struct {
 	name                      string
 	srv                       *httptest.Server
 	running, waiting, kvMilli atomic.Int64
+	metricsBroken             atomic.Bool // /metrics answers 500
 }
 
 func newGEngine(t testing.TB, name string) *gEngine {
@@ -65,6 +64,10 @@ func newGEngine(t testing.TB, name string) *gEngine {
 			w.Header().Set("Content-Type", "application/json")
 			fmt.Fprint(w, `{"object":"list","data":[{"id":"m1","object":"model"}]}`)
 		case "/metrics":
+			if e.metricsBroken.Load() {
+				http.Error(w, "exporter broken", http.StatusInternalServerError)
+				return
+			}
 			fmt.Fprintf(w, "vllm:num_requests_running{model_name=\"m1\"} %d\nvllm:num_requests_waiting{model_name=\"m1\"} %d\nvllm:kv_cache_usage_perc{model_name=\"m1\"} %g\n",
 				e.running.Load(), e.waiting.Load(), float64(e.kvMilli.Load())/1000)
 		case "/v1/chat/completions":
@@ -82,16 +85,21 @@ func newGEngine(t testing.TB, name string) *gEngine {
 // gRelay is a relay with gossip serving HTTP on loopback.
 // startGRelay starts a relay that takes part in gossip with the given
 // preset and tuning.
-func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string) *itRelay {
+// Each of edits changes the relay's configuration before it starts.
+func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string, edits ...func(*relay.Config)) *itRelay {
 	t.Helper()
-	return serveRelay(t, relay.Config{
+	cfg := relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
 		Token:     []byte(gToken),
 		NoAuth:    true,
 		Policy:    scheduler.PolicyRoundRobin,
 		Logger:    gTestLogger(t, "relay"),
 		Gossip:    relay.GossipConfig{Preset: preset, Tune: tune, LeaveTimeout: time.Second},
-	})
+	}
+	for _, edit := range edits {
+		edit(&cfg)
+	}
+	return serveRelay(t, cfg)
 }
 
 // gAgent is a package agent Agent in front of a gEngine.
@@ -182,25 +190,6 @@ func gPoll(t testing.TB, limit time.Duration, what string, cond func() bool) tim
 	return time.Since(start)
 }
 
-// gWaitMemberlistStopped polls until no memberlist goroutine is left (its
-// Shutdown does not wait for a probe in progress), so goleak stays quiet.
-func gWaitMemberlistStopped(t testing.TB) {
-	t.Helper()
-	buf := make([]byte, 4<<20)
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		n := runtime.Stack(buf, true)
-		if !bytes.Contains(buf[:n], []byte("hashicorp/memberlist.(*Memberlist)")) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Errorf("memberlist goroutines still running 30 s after shutdown")
-			return
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // relayAgentMembers returns the agent names the relay's gossip lists alive
 // (not suspect) with decoded metadata.
 func relayAgentMembers(gr *itRelay) []string {
@@ -273,7 +262,7 @@ func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset st
 // TestGossipDrivesRouting runs a relay and 5 agents and walks through the
 // membership life cycle as the relay's routing table sees it.
 func TestGossipDrivesRouting(t *testing.T) {
-	defer gWaitMemberlistStopped(t)
+	t.Parallel() // waits on gossip timers, in its own relay and agents
 	gr, agents, took := startGCluster(t, 5, gFastTune, transport.GossipPresetLocal)
 	t.Logf("5 agents alive with metadata at the relay %v after the first start", took)
 	want := []string{"agent-0", "agent-1", "agent-2", "agent-3", "agent-4"}
@@ -453,5 +442,45 @@ func TestGossipDrivesRouting(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+	gr.stop()
+}
+
+// TestStaleEngineLoadIsUnknownAtTheRelay: an engine whose /metrics breaks
+// after saying it is saturated (a queue, a full KV cache) is not taken as
+// saturated for ever: the agent (package agent, gossip over QUIC) reports
+// its load unknown a few scrape intervals later, and the relay's scheduler
+// drops the old figures, going by in-flight counts alone; once /metrics
+// answers again, its figures are back.
+func TestStaleEngineLoadIsUnknownAtTheRelay(t *testing.T) {
+	t.Parallel() // waits on gossip timers, in its own relay and agent
+	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
+	e := newGEngine(t, "agent-0")
+	e.waiting.Store(7)
+	e.kvMilli.Store(990)
+	ga := startGAgent(t, gr, "agent-0", e, filepath.Join(t.TempDir(), "a.key"), gFastTune, transport.GossipPresetLocal)
+	health := func() scheduler.Health {
+		for _, s := range gr.r.Scheduler().Snapshot() {
+			if s.ID == "agent-0" {
+				return s.Health
+			}
+		}
+		return scheduler.Health{}
+	}
+	gPoll(t, 30*time.Second, "the engine's load in the relay's scheduler", func() bool {
+		h := health()
+		return h.Waiting == 7 && h.KVCacheUsage > 0.98
+	})
+	e.metricsBroken.Store(true)
+	took := gPoll(t, 30*time.Second, "the stale load to be dropped at the relay", func() bool {
+		h := health()
+		return h.Waiting == 0 && h.KVCacheUsage == 0
+	})
+	t.Logf("stale load dropped at the relay %v after /metrics broke (scrape every 100 ms, stale after 3)", took)
+	e.metricsBroken.Store(false)
+	gPoll(t, 30*time.Second, "the engine's load back in the relay's scheduler", func() bool {
+		h := health()
+		return h.Waiting == 7 && h.KVCacheUsage > 0.98
+	})
+	ga.stop()
 	gr.stop()
 }

@@ -69,12 +69,15 @@ func (e *itEngine) serve(w http.ResponseWriter, r *http.Request) {
 		http.NotFound(w, r) // e.g. the agent looking for engine metrics
 		return
 	}
-	e.hits.Add(1)
 	var req struct {
 		Model  string `json:"model"`
 		Stream bool   `json:"stream"`
 	}
-	_ = json.NewDecoder(r.Body).Decode(&req)
+	if json.NewDecoder(r.Body).Decode(&req) == nil {
+		// A body that is not JSON is no request: the agent's probe for
+		// optional APIs sends one (and takes this 200 for no route).
+		e.hits.Add(1)
+	}
 	if !req.Stream {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"id":"x","object":"chat.completion","model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":"hello from %s"},"finish_reason":"stop"}]}`, req.Model, e.name)

@@ -186,12 +186,16 @@ func TestSilentAgentEndsStreamWithErrorEvent(t *testing.T) {
 // Detection of a silent agent with no request in flight, through package
 // agent: each run kills one agent by dropping its packets, half of them
 // right after it joined, and measures until the relay routes around it.
-// The figures are reported; the test fails only if the relay never
-// notices. Two runs by default; COMPUTEFLUX_LIVENESS_MEASURE=1 makes ten.
+// The relay's idle probe finds it: at most the idle silence bound after its
+// last echo, and a probe interval more for a probe in flight; one more
+// probe interval is room for a loaded machine. Gossip (the home preset)
+// would take about 11 s. Two runs by default;
+// COMPUTEFLUX_LIVENESS_MEASURE=1 makes ten.
 func TestSilentIdleAgentDetection(t *testing.T) {
 	if testing.Short() {
 		t.Skip("kills agents over QUIC")
 	}
+	t.Parallel() // waits on the liveness timers, in its own cluster
 	ctx := context.Background()
 	cl, err := relaytest.Start(ctx, relaytest.Config{Engines: 2, Engine: simengine.Config{TimeScale: 100}})
 	if err != nil {
@@ -202,6 +206,7 @@ func TestSilentIdleAgentDetection(t *testing.T) {
 	if os.Getenv("COMPUTEFLUX_LIVENESS_MEASURE") != "" {
 		runs = 10
 	}
+	bound := relay.IdleSilentAfter + 2*relay.IdleProbeInterval
 	var took []time.Duration
 	for run := range runs {
 		i := 1
@@ -219,6 +224,7 @@ func TestSilentIdleAgentDetection(t *testing.T) {
 		if err := cl.KillAgent(i); err != nil {
 			t.Fatal(err)
 		}
+		// Polled past the bound, so that a failure says how long it took.
 		for !suspectOrGone(cl.Relay().Scheduler(), name) {
 			if time.Since(killed) > 30*time.Second {
 				t.Fatalf("run %d: the relay still routes to %s 30 s after it died", run, name)
@@ -226,6 +232,10 @@ func TestSilentIdleAgentDetection(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 		}
 		took = append(took, time.Since(killed))
+		if d := took[len(took)-1]; d > bound {
+			t.Errorf("run %d: the relay routed around silent %s after %v, want within %v (silence bound %v + 2 probe intervals of %v)",
+				run, name, d.Round(time.Millisecond), bound, relay.IdleSilentAfter, relay.IdleProbeInterval)
+		}
 		if run%2 == 0 {
 			if err := cl.RestartAgent(ctx, i); err != nil {
 				t.Fatal(err)
@@ -234,8 +244,8 @@ func TestSilentIdleAgentDetection(t *testing.T) {
 	}
 	sorted := slices.Clone(took)
 	slices.Sort(sorted)
-	t.Logf("silent idle agent out of routing after: median %v, worst %v (runs %v; odd runs killed right after joining)",
-		sorted[len(sorted)/2].Round(time.Millisecond), sorted[len(sorted)-1].Round(time.Millisecond), took)
+	t.Logf("silent idle agent out of routing after: median %v, worst %v (runs %v; odd runs killed right after joining; bound %v)",
+		sorted[len(sorted)/2].Round(time.Millisecond), sorted[len(sorted)-1].Round(time.Millisecond), took, bound)
 }
 
 func suspectOrGone(s *scheduler.Scheduler, id string) bool {

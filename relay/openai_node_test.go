@@ -16,6 +16,7 @@ import (
 // with the reason, when node or npm is missing or the registry is out of
 // reach.
 func TestOpenAINodeClient(t *testing.T) {
+	t.Parallel() // waits on npm and node, with its own relay
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	dir := installOpenAINode(ctx, t, "openai")

@@ -43,7 +43,7 @@ func dialCircuit(ctx context.Context, h host.Host, ri peer.AddrInfo, target peer
 // and no circuit, at once after connecting and on every reconnect, and the
 // relay carries 0 bytes for them; joined peers reach each other.
 func TestOutsidersGetNoCircuits(t *testing.T) {
-	t.Cleanup(func() { gWaitMemberlistStopped(t) })
+	t.Parallel() // waits on reconnects, in its own relay and agents
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
 	v := startGAgent(t, gr, "victim", newGEngine(t, "victim"), filepath.Join(t.TempDir(), "victim.key"), gFastTune, transport.GossipPresetLocal)
 	gPoll(t, 30*time.Second, "the joined agent's reservation", func() bool {
@@ -112,7 +112,6 @@ func TestOutsidersGetNoCircuits(t *testing.T) {
 // address gets no connection, so no identify; the relay and joined peers
 // get only addresses they could use (no loopback or LAN ones).
 func TestAgentTellsStrangersNothing(t *testing.T) {
-	t.Cleanup(func() { gWaitMemberlistStopped(t) })
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
 	v := startGAgent(t, gr, "victim", newGEngine(t, "victim"), filepath.Join(t.TempDir(), "victim.key"), gFastTune, transport.GossipPresetLocal)
 	gPoll(t, 30*time.Second, "the agent joined", func() bool { return gr.r.Registry().IsJoined(v.a.ID()) })

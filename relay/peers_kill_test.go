@@ -110,6 +110,7 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 	if os.Getenv(envRelayProcess) == "1" {
 		t.Skip("inside the relay process")
 	}
+	t.Parallel() // paced load and a process restart, in its own relays and agents
 	dir := t.TempDir()
 	listenA := freeUDP(t)
 	a := startPeerRelay(t, listenA, filepath.Join(dir, "a.key"), "relay-a")
@@ -146,6 +147,7 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 	// Load: 6 clients, each a session, each turn to a relay at random.
 	var (
 		sent, failed, retried, sameAgent, turns atomic.Int64
+		crossTurns, crossSame                   atomic.Int64 // follow-ups served by the other relay than the turn before
 		errMu                                   sync.Mutex
 		errs                                    []string
 	)
@@ -157,7 +159,7 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 			defer wg.Done()
 			rng := rand.New(rand.NewPCG(uint64(c), 7))
 			session := fmt.Sprintf("load-%d", c)
-			last := ""
+			last, lastRelay := "", -1
 			for n := 0; n < 2000; n++ {
 				select {
 				case <-stop:
@@ -167,9 +169,10 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 				first := rng.IntN(2)
 				var agentName string
 				var err error
+				via := first
 				for try := range 3 {
-					u := urls[(first+try)%2]
-					agentName, _, err = chat(hc, &itRelay{url: u}, session)
+					via = (first + try) % 2
+					agentName, _, err = chat(hc, &itRelay{url: urls[via]}, session)
 					if err == nil || !isConnError(err) {
 						break
 					}
@@ -188,8 +191,14 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 					if agentName == last {
 						sameAgent.Add(1)
 					}
+					if via != lastRelay {
+						crossTurns.Add(1)
+						if agentName == last {
+							crossSame.Add(1)
+						}
+					}
 				}
-				last = agentName
+				last, lastRelay = agentName, via
 				time.Sleep(20 * time.Millisecond)
 			}
 		}()
@@ -209,8 +218,8 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 	time.Sleep(2 * time.Second)
 	close(stop)
 	wg.Wait()
-	t.Logf("requests %d (%d in the 2 s after the kill at %v), failed %d, retried on the other relay %d; follow-ups on the same agent %d/%d; restarted relay routed %v after its start (%v)",
-		sent.Load(), during, killedAt.Format("15:04:05.000"), failed.Load(), retried.Load(), sameAgent.Load(), turns.Load(), back, startedAt.Format("15:04:05.000"))
+	t.Logf("requests %d (%d in the 2 s after the kill at %v), failed %d, retried on the other relay %d; follow-ups on the same agent %d/%d, of those served by the other relay than the turn before %d/%d; restarted relay routed %v after its start (%v)",
+		sent.Load(), during, killedAt.Format("15:04:05.000"), failed.Load(), retried.Load(), sameAgent.Load(), turns.Load(), crossSame.Load(), crossTurns.Load(), back, startedAt.Format("15:04:05.000"))
 	if failed.Load() != 0 {
 		t.Errorf("%d requests failed: %s", failed.Load(), strings.Join(errs[:min(len(errs), 5)], "; "))
 	}
@@ -220,14 +229,18 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 	if during == 0 {
 		t.Error("no request completed while the relay process was down")
 	}
-	// Sessions keep their agent across the kill and the restart: the
-	// surviving relay holds every binding, and the restarted one rebuilds
-	// them from it. Seen: 1,653 of 1,658 and 1,485 of 1,485 alone, 1,223
-	// of 1,446 under CI's load, where a saturated agent's sessions may
-	// legitimately move. Affinity lost with the relay would put a session
-	// on any of the 3 agents: about one follow-up in three on the same.
-	if n, same := turns.Load(), sameAgent.Load(); n == 0 || same*3 < n*2 {
-		t.Errorf("follow-ups on the same agent %d of %d: sessions lost their agent across the kill", same, n)
+	// Sessions keep their agent across relays, the kill and the restart:
+	// a binding made on one relay is shared with the other, the surviving
+	// relay holds every binding, and the restarted one rebuilds them from
+	// it. What shows the sharing is the follow-up sent to the other relay
+	// than the turn before: 475 of 475 of those stayed, and 1,558 of 1,558
+	// follow-ups in all (683 of 691, 1,653 of 1,658 and 1,485 of 1,485 in
+	// earlier runs; 1,223 of 1,446 under CI's load, where an agent slow to
+	// acknowledge is avoided and its sessions legitimately move). Without
+	// sharing each relay binds a session on its own: 45 of 537 of those
+	// stayed (1,199 of 1,691 in all).
+	if n, same := crossTurns.Load(), crossSame.Load(); n == 0 || same*10 < n*9 {
+		t.Errorf("follow-ups served by the other relay on the same agent %d of %d, want at least 90%%: sessions lost their agent across relays", same, n)
 	}
 }
 

@@ -134,6 +134,7 @@ func boundTo(r *itRelay, session string) string {
 // TestPeerRelaysFollowUpOnAnotherRelay binds sessions on one relay and
 // sends their follow-ups to another: they reach the same agent.
 func TestPeerRelaysFollowUpOnAnotherRelay(t *testing.T) {
+	t.Parallel() // waits on relays meeting, in its own relays and agents
 	mc := startMulti(t, 3, 3)
 	hc := &http.Client{Timeout: 30 * time.Second}
 	defer hc.CloseIdleConnections()
@@ -189,6 +190,7 @@ func TestPeerRelaysFollowUpOnAnotherRelay(t *testing.T) {
 // to two relays at once: afterwards both relays send the session to one
 // agent, the same on both.
 func TestPeerRelaysConflictingBindings(t *testing.T) {
+	t.Parallel() // waits on relays meeting, in its own relays and agents
 	mc := startMulti(t, 2, 3)
 	hc := &http.Client{Timeout: 30 * time.Second}
 	defer hc.CloseIdleConnections()
@@ -236,6 +238,7 @@ func TestPeerRelaysConflictingBindings(t *testing.T) {
 // the agents are back, it has the bindings from its peer and routes the
 // sessions to the agents that hold them.
 func TestPeerRelayRestartRebuildsBindings(t *testing.T) {
+	t.Parallel() // waits on relays meeting, in its own relays and agents
 	mc := startMulti(t, 2, 3)
 	hc := &http.Client{Timeout: 30 * time.Second}
 	defer hc.CloseIdleConnections()

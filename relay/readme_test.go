@@ -35,6 +35,7 @@ func TestREADMEClients(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipped in -short mode: starts a cluster and installs the npm package openai")
 	}
+	t.Parallel() // waits on npm and client processes, with its own relay
 	rl := startRelay(t, "", "")
 	a, b := startSimAgent(t, rl, "readme-1"), startSimAgent(t, rl, "readme-2")
 	waitResponsesAgents(t, rl, a, b)

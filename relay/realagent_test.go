@@ -20,13 +20,14 @@ type realAgent struct {
 	done   chan error
 }
 
-func startRealAgent(t testing.TB, rl *itRelay, name string, e *itEngine) *realAgent {
+// Each of edits changes the agent's configuration before it starts.
+func startRealAgent(t testing.TB, rl *itRelay, name string, e *itEngine, edits ...func(*agent.Config)) *realAgent {
 	t.Helper()
 	addrs := rl.r.Addrs()
 	if len(addrs) == 0 {
 		t.Fatal("relay has no address")
 	}
-	a, err := agent.New(agent.Config{
+	cfg := agent.Config{
 		Relay:        addrs[0].String(),
 		Token:        itToken,
 		Upstream:     e.srv.URL,
@@ -36,7 +37,11 @@ func startRealAgent(t testing.TB, rl *itRelay, name string, e *itEngine) *realAg
 		MinBackoff:   20 * time.Millisecond,
 		MaxBackoff:   500 * time.Millisecond,
 		DrainTimeout: 2 * time.Second,
-	})
+	}
+	for _, edit := range edits {
+		edit(&cfg)
+	}
+	a, err := agent.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -175,12 +175,14 @@ func New(cfg Config) (*Relay, error) {
 		}
 		if r.rt == nil {
 			r.rt = transport.NewRoundTripper(r.host)
-			r.live = newLiveness(r.host, r.reg, r.log, r.bgCtx, &r.bgWG)
-			r.bgWG.Add(1)
-			go func() {
-				defer r.bgWG.Done()
-				r.live.run()
-			}()
+			if !cfg.noLiveness {
+				r.live = newLiveness(r.host, r.reg, r.log, r.bgCtx, &r.bgWG)
+				r.bgWG.Add(1)
+				go func() {
+					defer r.bgWG.Done()
+					r.live.run()
+				}()
+			}
 		}
 		r.log.Info().Stringer("peer", r.host.ID()).Strs("addrs", r.addrStrings()).Msg("relay p2p listening")
 		if r.audits != nil {

@@ -219,6 +219,7 @@ func TestResponsesThroughRealParts(t *testing.T) {
 // is skipped, with the reason, when node or npm is missing or the registry
 // is out of reach.
 func TestOpenAINodeResponses(t *testing.T) {
+	t.Parallel() // waits on npm and node, with its own relay
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	dir := installOpenAINode(ctx, t, "openai@"+openaiNodeVersion)

@@ -41,8 +41,13 @@ type Health struct {
 	// follow-ups; requests in flight finish normally.
 	Draining bool
 	// Running and Waiting are the engine's running and queued requests.
+	// Zero is also how an engine whose load is not known (no figures, or
+	// stale ones) is reported: the load is then the scheduler's own
+	// in-flight count and sessions alone.
 	Running, Waiting int
-	// KVCacheUsage is the engine's KV-cache usage, 0..1.
+	// KVCacheUsage is the engine's KV-cache usage, 0..1. Zero is also "not
+	// known": an engine is taken as saturated only on a reported queue and
+	// a reported full cache.
 	KVCacheUsage float64
 }
 

@@ -6,6 +6,7 @@
 #   NATLAB_RUNS=5 scripts/natlab.sh   # fewer runs
 #   NATLAB_RUN='holepunch-eim-eim' scripts/natlab.sh   # scenarios matching a regexp
 #   NATLAB_RUN='partition' scripts/natlab.sh
+#   NATLAB_ACCEPT=direct-gossip scripts/natlab.sh   # accept a known issue (see below)
 #
 # Scenarios:
 #   holepunch-A-B       libp2p hosts of the test binary: DCUtR between NAT kinds
@@ -32,8 +33,10 @@
 # computeflux binary built below inside the lab's namespaces: its path is
 # passed to the tests in CF_NATLAB_BIN. NATLAB_KEEP_LOGS=1 keeps every
 # process's log (the directories are named in the log). Known product
-# issues (see "known" in the scenario tests) fail here; `go test` only logs
-# them.
+# issues (see "known" in the scenario tests) fail like any other error,
+# here and under `go test`. One that truly cannot be fixed may be accepted
+# by name, e.g. NATLAB_ACCEPT=relay-crash-detection (comma separated): its
+# scenario line then says KNOWN instead of FAIL and does not fail the run.
 set -euo pipefail
 
 runs=${NATLAB_RUNS:-20}
@@ -110,7 +113,7 @@ fi
 
 set +e
 CF_NATLAB_RUNS=$runs CF_NATLAB_PREFIX=$prefix CF_NATLAB_BIN="$work/computeflux" \
-	CF_NATLAB_KEEP_LOGS=${NATLAB_KEEP_LOGS:-} CF_NATLAB_STRICT=1 \
+	CF_NATLAB_KEEP_LOGS=${NATLAB_KEEP_LOGS:-} CF_NATLAB_ACCEPT=${NATLAB_ACCEPT:-} \
 	setsid "$work/scenario.test" -test.run "^(TestHolePunch|TestGossipPath|TestCluster)\$/($filter)" \
 	-test.v -test.timeout 60m \
 	>"$work/out" 2>>"$log" &
@@ -125,7 +128,7 @@ seen=0
 while read -r _ name verdict figures; do
 	seen=$((seen + 1))
 	line "$name" "$verdict" "$figures"
-	[[ "$verdict" == PASS ]] || failed=1
+	[[ "$verdict" == PASS || "$verdict" == KNOWN ]] || failed=1
 done < <(grep '^SCENARIO ' "$work/out" || true)
 
 if [[ $status -ne 0 || $seen -eq 0 ]]; then

@@ -40,6 +40,7 @@ type HTTPServer struct {
 	allow    func(peer.ID) bool
 	rejected atomic.Uint64
 	served   chan struct{} // closed when Serve returns
+	serveErr error         // why Serve returned, unless Close ended it; set before served closes
 	conns    sync.WaitGroup
 	once     sync.Once
 }
@@ -55,9 +56,11 @@ func PeerFromContext(ctx context.Context) (peer.ID, bool) {
 
 // ServeHTTP serves handler on InferProtocol streams of h. Streams from peers
 // for which allow returns false are reset and counted (see
-// HTTPServer.Rejected); a nil allow admits nobody. The returned Closer is an
-// *HTTPServer; Close stops serving, closes open streams and waits for the
-// handlers to return, so handlers must honor their request's context.
+// HTTPServer.Rejected); a nil allow admits nobody. The returned server's
+// Close stops serving, closes open streams and waits for the handlers to
+// return, so handlers must honor their request's context. Done and Err
+// tell when serving stopped on its own (accepting streams failed): the
+// caller must watch them, as nothing is served after that.
 //
 // A request's body is read whole (up to MaxRequestBody) before handler runs.
 // net/http watches a connection for its peer going away only once the body has
@@ -68,7 +71,7 @@ func PeerFromContext(ctx context.Context) (peer.ID, bool) {
 // Every request is acknowledged with AckStatus once it has been held for
 // AckDelay from its header on (body read or not) without a response head
 // (see WithAck). A handler that is a BodyHandler gets the body's bytes.
-func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (io.Closer, error) {
+func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (*HTTPServer, error) {
 	if allow == nil {
 		allow = func(peer.ID) bool { return false }
 	}
@@ -101,9 +104,26 @@ func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (io.
 	}
 	go func() {
 		defer close(s.served)
-		_ = s.srv.Serve(s.ln)
+		if err := s.srv.Serve(s.ln); !errors.Is(err, http.ErrServerClosed) {
+			s.serveErr = err
+		}
 	}()
 	return s, nil
+}
+
+// Done returns a channel that is closed when the server stops serving:
+// after Close, or on its own when accepting streams failed (see Err).
+func (s *HTTPServer) Done() <-chan struct{} { return s.served }
+
+// Err returns, once Done is closed, why the server stopped serving on its
+// own; nil after Close, and while it serves.
+func (s *HTTPServer) Err() error {
+	select {
+	case <-s.served:
+		return s.serveErr
+	default:
+		return nil
+	}
 }
 
 // BodyHandler is a handler that takes the request body ServeHTTP read as

@@ -22,7 +22,7 @@ import (
 // serve starts ServeHTTP on srv admitting only the given peers.
 func serve(t testing.TB, srv host.Host, handler http.Handler, allowed ...peer.ID) *HTTPServer {
 	t.Helper()
-	c, err := ServeHTTP(srv, handler, func(p peer.ID) bool {
+	hs, err := ServeHTTP(srv, handler, func(p peer.ID) bool {
 		for _, a := range allowed {
 			if a == p {
 				return true
@@ -33,7 +33,6 @@ func serve(t testing.TB, srv host.Host, handler http.Handler, allowed ...peer.ID
 	if err != nil {
 		t.Fatal(err)
 	}
-	hs := c.(*HTTPServer)
 	t.Cleanup(func() { hs.Close() })
 	return hs
 }
@@ -313,6 +312,36 @@ func TestHTTPServerCloseEndsHandlers(t *testing.T) {
 	hs.Close() // returns only after the handler has returned
 	if _, err := io.ReadAll(resp.Body); err == nil {
 		t.Fatal("a response cut by Close read as complete")
+	}
+}
+
+// A server that stops accepting streams on its own (its listener failed)
+// says so through Done and Err; one stopped by Close reports no error.
+func TestHTTPServerReportsServeFailure(t *testing.T) {
+	srv := newTestHost(t)
+	hs := serve(t, srv, http.NotFoundHandler())
+	select {
+	case <-hs.Done():
+		t.Fatal("Done closed while serving")
+	default:
+	}
+	// The listener under the server fails, as it would if its libp2p
+	// listener were closed under it.
+	_ = hs.ln.(*allowListener).Listener.Close()
+	select {
+	case <-hs.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("Done not closed after the listener failed")
+	}
+	if hs.Err() == nil {
+		t.Fatal("Err is nil after serving failed")
+	}
+
+	closed := serve(t, newTestHost(t), http.NotFoundHandler())
+	closed.Close()
+	<-closed.Done()
+	if err := closed.Err(); err != nil {
+		t.Fatalf("Err after Close: %v", err)
 	}
 }
 

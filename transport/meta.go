@@ -31,6 +31,7 @@ const (
 	metaFlagDraining    = 0x04
 	metaFlagUnavailable = 0x08
 	metaFlagDigest      = 0x10 // models sent as count + digest only
+	metaFlagLoadUnknown = 0x20 // Running, Waiting and KVCacheUsage not known
 )
 
 // ErrMetaTooLarge is returned by EncodeMeta when the metadata does not fit the
@@ -95,6 +96,12 @@ type NodeMeta struct {
 	Draining bool
 	// Unavailable is set when the agent cannot reach its engine.
 	Unavailable bool
+	// LoadUnknown is set when the agent has no current figures of its
+	// engine's load: the engine reports none, or its last good /metrics
+	// read is too old. Running, Waiting and KVCacheUsage are then 0 and
+	// mean nothing; InFlight still holds. Decoders older than the flag
+	// ignore it and see zeros, which they take as "no data" as well.
+	LoadUnknown bool
 	// Seq grows with every published change; set by Gossip.
 	Seq uint64
 }
@@ -166,6 +173,9 @@ func appendMeta(b []byte, m NodeMeta, models []string, digest bool) []byte {
 	if m.Unavailable {
 		flags |= metaFlagUnavailable
 	}
+	if m.LoadUnknown {
+		flags |= metaFlagLoadUnknown
+	}
 	if digest {
 		flags |= metaFlagDigest
 	}
@@ -219,6 +229,7 @@ func DecodeMeta(b []byte) (NodeMeta, error) {
 	m.Role = NodeRole(flags & metaFlagRoleMask)
 	m.Draining = flags&metaFlagDraining != 0
 	m.Unavailable = flags&metaFlagUnavailable != 0
+	m.LoadUnknown = flags&metaFlagLoadUnknown != 0
 	m.ModelsTruncated = flags&metaFlagDigest != 0
 	m.Seq = d.uvarint(math.MaxUint64)
 	m.Name = d.str()
@@ -319,6 +330,7 @@ func (d *wireDecoder) str() string {
 func metaSignificant(prev, next NodeMeta) bool {
 	if prev.Role != next.Role || prev.Name != next.Name || prev.Capacity != next.Capacity ||
 		prev.Draining != next.Draining || prev.Unavailable != next.Unavailable ||
+		prev.LoadUnknown != next.LoadUnknown ||
 		!slices.Equal(normalizeModels(prev.Models), normalizeModels(next.Models)) {
 		return true
 	}
@@ -340,5 +352,5 @@ func metaEqual(a, b NodeMeta) bool {
 	return a.Role == b.Role && a.Name == b.Name && a.Capacity == b.Capacity &&
 		a.InFlight == b.InFlight && a.Running == b.Running && a.Waiting == b.Waiting &&
 		kvToWire(a.KVCacheUsage) == kvToWire(b.KVCacheUsage) && a.Draining == b.Draining &&
-		a.Unavailable == b.Unavailable && slices.Equal(normalizeModels(a.Models), normalizeModels(b.Models))
+		a.Unavailable == b.Unavailable && a.LoadUnknown == b.LoadUnknown && slices.Equal(normalizeModels(a.Models), normalizeModels(b.Models))
 }

@@ -16,7 +16,8 @@ func sampleMetas() map[string]NodeMeta {
 			Role: NodeRoleAgent, Name: "gpu-box-1", Models: []string{"llama-3.1-8b", "qwen2.5-7b"},
 			Capacity: 8, InFlight: 3, Running: 2, Waiting: 5, KVCacheUsage: 0.4217, Seq: 1 << 40,
 		},
-		"flags": {Role: NodeRoleAgent, Name: "x", Draining: true, Unavailable: true, Capacity: metaMaxInt},
+		"flags":        {Role: NodeRoleAgent, Name: "x", Draining: true, Unavailable: true, Capacity: metaMaxInt},
+		"load unknown": {Role: NodeRoleAgent, Name: "y", InFlight: 2, LoadUnknown: true},
 	}
 }
 
@@ -145,6 +146,7 @@ func TestMetaSignificant(t *testing.T) {
 		{"kv +0.01", func(m *NodeMeta) { m.KVCacheUsage = 0.51 }, false},
 		{"kv +0.05", func(m *NodeMeta) { m.KVCacheUsage = 0.56 }, true},
 		{"draining", func(m *NodeMeta) { m.Draining = true }, true},
+		{"load unknown", func(m *NodeMeta) { m.LoadUnknown = true }, true},
 		{"models", func(m *NodeMeta) { m.Models = []string{"m", "n"} }, true},
 		{"models reordered", func(m *NodeMeta) { m.Models = []string{"m", "m"} }, false},
 		{"capacity", func(m *NodeMeta) { m.Capacity = 9 }, true},

@@ -26,7 +26,7 @@ func TestDemo(t *testing.T) {
 	pr, pw := io.Pipe()
 	done := make(chan error, 1)
 	go func() {
-		err := runDemo(ctx, []string{"--engines", "2", "--sessions", "3", "--turns", "3", "--compare-time-scale", "4", "--duration", "10m"}, pw, io.Discard)
+		err := runDemo(ctx, []string{"--engines", "3", "--sessions", "2", "--turns", "3", "--compare-time-scale", "4", "--duration", "10m"}, pw, io.Discard)
 		pw.CloseWithError(io.EOF)
 		done <- err
 	}()
@@ -34,6 +34,8 @@ func TestDemo(t *testing.T) {
 	var relayURL, key string
 	tried, table, verdict := false, false, false
 	hits := map[string]float64{}
+	failed := map[string]int{}
+	var ratio float64
 	deadline := time.AfterFunc(3*time.Minute, cancel)
 	defer deadline.Stop()
 	for sc.Scan() {
@@ -59,11 +61,22 @@ func TestDemo(t *testing.T) {
 			if err != nil {
 				t.Fatalf("summary row %q: %v", line, err)
 			}
-			hits[f[0]] = h
+			n, err := strconv.Atoi(f[8])
+			if err != nil {
+				t.Fatalf("summary row %q: %v", line, err)
+			}
+			hits[f[0]], failed[f[0]] = h, n
 			table = true
 		}
-		if strings.HasPrefix(line, "Sticky routing: median time to first token") {
-			verdict = true
+		if strings.Contains(line, ": failed: ") {
+			t.Errorf("a turn failed: %s", line)
+		}
+		if m := verdictRE.FindStringSubmatch(line); m != nil {
+			r, err := strconv.ParseFloat(m[1], 64)
+			if err != nil {
+				t.Fatalf("verdict %q: %v", line, err)
+			}
+			ratio, verdict = r, true
 		}
 		if strings.HasPrefix(line, "Serving at") {
 			cancel()
@@ -75,14 +88,35 @@ func TestDemo(t *testing.T) {
 	if !tried || !table || !verdict {
 		t.Fatalf("the demo printed no usable curl line (%v), no summary (%v) or no verdict (%v)", tried, table, verdict)
 	}
+	if failed["sticky"] != 0 || failed["round-robin"] != 0 {
+		t.Errorf("failed turns: %v", failed)
+	}
 	// Sticky keeps each conversation on the engine that holds it: its later
 	// turns (two of three, 2/3 of the prompt tokens) are cached but their
-	// newest message; a loaded machine may cost one of them. Round-robin may
-	// be lucky, never better.
-	if len(hits) != 2 || hits["sticky"] < 50 || hits["sticky"] < hits["round-robin"] {
-		t.Fatalf("cache hits: %v", hits)
+	// newest message, 66.4% of all prompt tokens. With 3 engines and 2
+	// conversations round-robin sends every later turn to an engine that
+	// holds only the shared system prompt: 1.0% (with 2 and 2 it would send
+	// each conversation to the same engine every turn, and tie). Counted,
+	// not timed: the verdict's time-to-first-token ratio (6.3x to 18.8x
+	// here, 1.2x on a machine starved by other work) is a speed figure,
+	// for the demo to print, not for a test to bound.
+	if len(hits) != 2 || hits["sticky"] < minStickyHits || hits["sticky"] < minHitRatio*hits["round-robin"] {
+		t.Errorf("cache hits %v: want sticky at least %.0f%% and %.0fx round-robin's", hits, minStickyHits, minHitRatio)
+	}
+	if ratio <= 0 {
+		t.Errorf("verdict ratio %v", ratio)
 	}
 }
+
+// TestDemo's bounds on the share of prompt tokens found cached (see there):
+// sticky's, and its ratio to round-robin's.
+const (
+	minStickyHits = 60.0
+	minHitRatio   = 3.0
+)
+
+// verdictRE reads the ratio of the demo's verdict line.
+var verdictRE = regexp.MustCompile(`^Sticky routing: median time to first token ([0-9.]+)x lower than round-robin`)
 
 // curl does what the printed curl line does, twice, and checks the
 // streamed answers and that the second turn is an affinity hit.

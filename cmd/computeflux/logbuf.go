@@ -1,7 +1,11 @@
 package main
 
 import (
+	"bytes"
+	"errors"
+	"fmt"
 	"io"
+	"os"
 	"sync"
 	"time"
 
@@ -34,21 +38,33 @@ const logBufSize = 64 << 10
 // variable so that a test can hold lines until exit).
 var logFlushEvery = 100 * time.Millisecond
 
+// A write that fails loses nothing at once: the bytes not written stay in
+// the buffer (in order, whole lines after a short write) and are written
+// again at the next flush, every logFlushEvery while the writer fails (a
+// full disk freed, a pipe reader back). Lines that do not fit while it
+// fails are dropped and counted: the first failure is reported on
+// stderr at once, and once the writer works again a line in the log says
+// how many were lost and why, as does Close for what it could not write.
+
 // logBuffer is a zerolog.LevelWriter that buffers low-level lines in front
 // of w (see above). Its methods are safe for concurrent use; one mutex
 // serialises the writes, so lines reach w whole and in order.
 type logBuffer struct {
-	w     io.Writer
-	every time.Duration
+	w      io.Writer
+	every  time.Duration
+	report io.Writer // where a failing writer is reported at once (stderr)
 
-	mu     sync.Mutex // guards the following fields
-	buf    []byte
-	timer  *time.Timer // armed while buf holds lines
-	closed bool        // after Close, lines go straight through
+	mu      sync.Mutex // guards the following fields
+	buf     []byte
+	timer   *time.Timer // armed while buf holds lines
+	closed  bool        // after Close, lines go straight through
+	failErr error       // the last write error while writes fail, else nil
+	lost    int         // lines dropped since the last loss line
+	lostAll uint64      // lines dropped since the start
 }
 
 func newLogBuffer(w io.Writer, every time.Duration) *logBuffer {
-	return &logBuffer{w: w, every: every, buf: make([]byte, 0, logBufSize)}
+	return &logBuffer{w: w, every: every, report: os.Stderr, buf: make([]byte, 0, logBufSize)}
 }
 
 // Write writes p at once, with everything buffered before it: without a
@@ -58,26 +74,70 @@ func (b *logBuffer) Write(p []byte) (int, error) {
 }
 
 // WriteLevel buffers p if level is below warn, and otherwise writes it at
-// once after the lines buffered before it.
+// once after the lines buffered before it. While the writer fails, every
+// line is held for the retry, or dropped and counted when it does not fit.
 func (b *logBuffer) WriteLevel(level zerolog.Level, p []byte) (int, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	hold := level < zerolog.WarnLevel && !b.closed // Trace is -1, NoLevel 6
 	if !hold || len(b.buf)+len(p) > cap(b.buf) {
 		if err := b.flushLocked(); err != nil {
-			return 0, err
+			// Kept for the retry, behind the lines before it.
+			if len(b.buf)+len(p) > cap(b.buf) {
+				b.dropLocked(p)
+			} else {
+				b.buf = append(b.buf, p...)
+			}
+			return len(p), nil
 		}
 		if !hold || len(p) > cap(b.buf) {
-			return b.w.Write(p)
+			n, err := b.w.Write(p)
+			if err != nil {
+				b.failedLocked(err)
+				if rest := p[n:]; len(rest) <= cap(b.buf) {
+					b.buf = append(b.buf, rest...)
+				} else {
+					b.dropLocked(rest)
+				}
+				return len(p), nil
+			}
+			return n, nil
 		}
 	}
 	b.buf = append(b.buf, p...)
+	b.armLocked(len(b.buf) == len(p))
+	return len(p), nil
+}
+
+// armLocked makes sure a flush comes within every; first says the buffer
+// held nothing before (the timer, if any, is stopped or spent).
+func (b *logBuffer) armLocked(first bool) {
 	if b.timer == nil {
 		b.timer = time.AfterFunc(b.every, func() { _ = b.Flush() })
-	} else if len(b.buf) == len(p) {
+	} else if first {
 		b.timer.Reset(b.every) // the first line since the last flush
 	}
-	return len(p), nil
+}
+
+// dropLocked counts the lines of p as lost.
+func (b *logBuffer) dropLocked(p []byte) {
+	n := max(bytes.Count(p, []byte{'\n'}), 1)
+	b.lost += n
+	b.lostAll += uint64(n)
+}
+
+// failedLocked records a failed write: reported on stderr the first time,
+// retried within every.
+func (b *logBuffer) failedLocked(err error) {
+	if b.failErr == nil && b.report != nil && b.report != b.w {
+		fmt.Fprintf(b.report, "computeflux: writing the log failed: %v; holding up to %d bytes of it and retrying every %v; lines beyond are counted and dropped\n", err, cap(b.buf), b.every)
+	}
+	b.failErr = err
+	if b.timer == nil {
+		b.timer = time.AfterFunc(b.every, func() { _ = b.Flush() })
+	} else {
+		b.timer.Reset(b.every)
+	}
 }
 
 // Immediate returns a writer that writes each line at once, after the
@@ -98,25 +158,67 @@ func (b *logBuffer) Flush() error {
 	return b.flushLocked()
 }
 
+// Lost returns how many lines were dropped because the writer failed.
+func (b *logBuffer) Lost() uint64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.lostAll
+}
+
+// flushLocked writes the buffered lines. What a failed write left is kept
+// for the next try; once writes work again, a line says how many were
+// lost meanwhile.
 func (b *logBuffer) flushLocked() error {
-	if len(b.buf) == 0 {
-		return nil
+	if len(b.buf) > 0 {
+		if b.timer != nil {
+			b.timer.Stop()
+		}
+		n, err := b.w.Write(b.buf)
+		b.buf = b.buf[:copy(b.buf, b.buf[n:])]
+		if err != nil {
+			b.failedLocked(err)
+			return err
+		}
 	}
-	if b.timer != nil {
-		b.timer.Stop()
+	if b.lost > 0 {
+		line := lossLine(b.lost, b.failErr)
+		if _, err := b.w.Write(line); err != nil {
+			b.failedLocked(err)
+			return err
+		}
+		b.lost = 0
 	}
-	_, err := b.w.Write(b.buf)
-	b.buf = b.buf[:0]
-	return err
+	b.failErr = nil
+	return nil
+}
+
+// lossLine is the log line that says n lines were lost to err.
+func lossLine(n int, err error) []byte {
+	var line bytes.Buffer
+	msg := "log lines lost: writing the log failed"
+	if err == nil {
+		err = errors.New("unknown")
+	}
+	l := zerolog.New(&line).With().Timestamp().Logger()
+	l.Error().Int("lost", n).AnErr("error", err).Msg(msg)
+	return line.Bytes()
 }
 
 // Close flushes and stops buffering: later lines are written at once. It
-// does not close w, and may be called more than once.
+// does not close w, and may be called more than once. Lines it cannot
+// write are counted as lost and reported on stderr.
 func (b *logBuffer) Close() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.closed = true
 	err := b.flushLocked()
+	if err != nil {
+		b.dropLocked(b.buf)
+		b.buf = b.buf[:0]
+		if b.report != nil {
+			fmt.Fprintf(b.report, "computeflux: %d log lines lost: writing the log failed: %v\n", b.lost, err)
+		}
+	}
 	if b.timer != nil {
 		b.timer.Stop()
 	}

@@ -3,12 +3,16 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -216,4 +220,114 @@ func TestIsTerminal(t *testing.T) {
 	if isTerminal(&bytes.Buffer{}) {
 		t.Error("a buffer taken for a terminal")
 	}
+}
+
+// flakyWriter fails its writes while broken: after writing half of what
+// it was given when short (a short write), else writing nothing.
+type flakyWriter struct {
+	syncBuf
+	broken, short atomic.Bool
+}
+
+func (f *flakyWriter) Write(p []byte) (int, error) {
+	if f.broken.Load() {
+		n := 0
+		if f.short.Load() {
+			n, _ = f.syncBuf.Write(p[:len(p)/2])
+		}
+		return n, errors.New("write /var/log/relay.log: no space left on device")
+	}
+	return f.syncBuf.Write(p)
+}
+
+// A write that fails loses no line: what it did not write is written again
+// once the writer works, in order, by the flush timer; lines that do not
+// fit meanwhile are dropped, counted, reported on stderr at once and in
+// the log once it works again.
+func TestLogBufferRetriesAndCountsLostLines(t *testing.T) {
+	out := &flakyWriter{}
+	var report syncBuf
+	b := newLogBuffer(out, 20*time.Millisecond)
+	b.report = &report
+	defer b.Close()
+	req := zerolog.New(b)
+	life := zerolog.New(b.Immediate())
+
+	out.short.Store(true)
+	out.broken.Store(true)
+	req.Info().Msg("r1")
+	life.Warn().Msg("w1") // flushes r1: the write fails half way
+	req.Info().Msg("r2")
+	if got := report.String(); !strings.Contains(got, "no space left on device") {
+		t.Fatalf("the failure was not reported at once: %q", got)
+	}
+	out.broken.Store(false)
+	want := "r1,w1,r2"
+	for deadline := time.Now().Add(5 * time.Second); messages(out.String()) != want; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("after the writer came back: %q, want lines %s", out.String(), want)
+		}
+	}
+	if b.Lost() != 0 {
+		t.Fatalf("%d lines counted lost, want 0", b.Lost())
+	}
+
+	// A longer failure: lines beyond the buffer are dropped and counted.
+	out.short.Store(false)
+	out.broken.Store(true)
+	line := strings.Repeat("x", 1000)
+	sent := 2 * logBufSize / len(line)
+	for range sent {
+		req.Info().Msg(line)
+	}
+	out.broken.Store(false)
+	if err := b.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	lost := b.Lost()
+	if lost == 0 || lost >= uint64(sent) {
+		t.Fatalf("%d of %d lines counted lost", lost, sent)
+	}
+	got := out.String()
+	kept := strings.Count(got, line)
+	if uint64(kept)+lost != uint64(sent) {
+		t.Fatalf("%d lines written and %d counted lost, of %d sent", kept, lost, sent)
+	}
+	if !strings.Contains(got, fmt.Sprintf(`"lost":%d`, lost)) || !strings.Contains(got, "no space left on device") {
+		t.Fatalf("no loss line with the count and the cause in the log: %q", got[max(0, len(got)-400):])
+	}
+	if n := strings.Count(report.String(), "writing the log failed"); n != 2 {
+		t.Fatalf("stderr reports %d failures, want one per failure episode (2): %q", n, report.String())
+	}
+}
+
+// Close reports what it could not write.
+func TestLogBufferCloseReportsLoss(t *testing.T) {
+	out := &flakyWriter{}
+	var report syncBuf
+	b := newLogBuffer(out, time.Hour)
+	b.report = &report
+	_, _ = b.WriteLevel(zerolog.InfoLevel, []byte("a\n"))
+	_, _ = b.WriteLevel(zerolog.InfoLevel, []byte("b\n"))
+	out.broken.Store(true)
+	if err := b.Close(); err == nil {
+		t.Fatal("Close with a failing writer returned no error")
+	}
+	if b.Lost() != 2 || !strings.Contains(report.String(), "2 log lines lost") {
+		t.Fatalf("lost %d, report %q", b.Lost(), report.String())
+	}
+}
+
+// messages returns the message fields of JSON log lines, joined by commas.
+func messages(log string) string {
+	var msgs []string
+	for _, l := range strings.Split(strings.TrimSpace(log), "\n") {
+		var m struct {
+			Message string `json:"message"`
+		}
+		if json.Unmarshal([]byte(l), &m) == nil {
+			msgs = append(msgs, m.Message)
+		}
+	}
+	return strings.Join(msgs, ",")
 }

@@ -170,7 +170,7 @@ type target struct {
 
 // RunOverhead starts the stub engine, the paths to it and measures them; it
 // stops every process it started before returning.
-func RunOverhead(ctx context.Context, cfg OverheadConfig) (*OverheadReport, error) {
+func RunOverhead(ctx context.Context, cfg OverheadConfig) (_ *OverheadReport, err error) {
 	cfg.defaults()
 	cfg.Sequential = min(cfg.Sequential, maxSequential)
 	cfg.Concurrent = min(cfg.Concurrent, maxConcurrent)
@@ -191,7 +191,12 @@ func RunOverhead(ctx context.Context, cfg OverheadConfig) (*OverheadReport, erro
 	if err != nil {
 		return nil, err
 	}
-	defer eng.Close()
+	defer func() {
+		// An engine that stopped serving under the run spoils its figures.
+		if cerr := eng.Close(); cerr != nil && err == nil {
+			err = cerr
+		}
+	}()
 
 	var procs []*proc
 	defer func() {
@@ -556,9 +561,11 @@ func (t *target) load(ctx context.Context, clients, n int, d time.Duration) ([]t
 // stubEngine answers at once: a small JSON completion, or a short stream of
 // server-sent events, each flushed; GET /v1/models names model m1.
 type stubEngine struct {
-	srv  *http.Server
-	url  string
-	port int
+	srv      *http.Server
+	url      string
+	port     int
+	served   chan struct{} // closed when Serve returns
+	serveErr error         // why Serve returned, unless Close ended it
 }
 
 func startStubEngine() (*stubEngine, error) {
@@ -599,12 +606,26 @@ func startStubEngine() (*stubEngine, error) {
 		}
 		io.WriteString(w, "data: [DONE]\n\n")
 	})
-	s := &stubEngine{srv: &http.Server{Handler: mux}, url: "http://" + ln.Addr().String(), port: ln.Addr().(*net.TCPAddr).Port}
-	go s.srv.Serve(ln)
+	s := &stubEngine{srv: &http.Server{Handler: mux}, url: "http://" + ln.Addr().String(), port: ln.Addr().(*net.TCPAddr).Port, served: make(chan struct{})}
+	go func() {
+		defer close(s.served)
+		if err := s.srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			s.serveErr = err
+		}
+	}()
 	return s, nil
 }
 
-func (s *stubEngine) Close() error { return s.srv.Close() }
+// Close stops the engine and returns why it stopped serving before, if it
+// did on its own: the figures measured with it would not be worth much.
+func (s *stubEngine) Close() error {
+	err := s.srv.Close()
+	<-s.served
+	if s.serveErr != nil {
+		return fmt.Errorf("stub engine stopped serving: %w", s.serveErr)
+	}
+	return err
+}
 
 // proc is a child process of the benchmark.
 type proc struct {

@@ -91,6 +91,15 @@ func TestChaosRealProcesses(t *testing.T) {
 	if res.KillDetect == 0 || res.FreezeDetect == 0 {
 		t.Errorf("the relay did not notice a fault: kill %v, freeze %v", res.KillDetect, res.FreezeDetect)
 	}
+	for _, f := range []struct {
+		fault string
+		took  time.Duration
+	}{{"SIGKILL", res.KillDetect}, {"SIGSTOP", res.FreezeDetect}} {
+		if f.took > detectBound {
+			t.Errorf("the relay took the agent out of routing %v after its %s, want within %v (the request path's silence bound for a busy agent, %v, and four probe intervals of %v)",
+				f.took.Round(time.Millisecond), f.fault, detectBound, busySilentAfter, busyProbeInterval)
+		}
+	}
 	if res.BackAfterCont == 0 {
 		t.Error("the frozen agent was not routable again after SIGCONT")
 	}
@@ -111,6 +120,19 @@ func TestChaosRealProcesses(t *testing.T) {
 		}
 	}
 }
+
+// The relay's request-path liveness timings for an agent with requests in
+// flight (relay/liveness.go: probeInterval, silentAfter). Under the load
+// every agent has some, so a killed or frozen one is suspect within the
+// silence bound of its last echo (an unacknowledged request finds it
+// sooner); four probe intervals more are room for processes on a loaded
+// machine and the relay's log line that times it. Gossip (the home
+// preset) would take about 11 s.
+const (
+	busyProbeInterval = 250 * time.Millisecond
+	busySilentAfter   = 1500 * time.Millisecond
+	detectBound       = busySilentAfter + 4*busyProbeInterval
+)
 
 type testWriter struct{ t *testing.T }
 

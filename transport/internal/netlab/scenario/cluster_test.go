@@ -112,15 +112,18 @@ func newClusterCtx(t *testing.T, ctx context.Context, homes ...netlab.NATKind) (
 }
 
 // Known product issues, found by these scenarios and reported to the owners
-// of relay/ and agent/. With CF_NATLAB_STRICT set (scripts/natlab.sh sets
-// it) they fail the test like any other error; without it (go test in CI)
-// they are logged with a KNOWN prefix, so that CI stays green until they are
-// fixed, and the scenario line says KNOWN. Remove an entry once fixed.
+// of relay/ and agent/. They fail the test like any other error. An issue
+// that truly cannot be fixed (it lies in a dependency, or in the NAT
+// itself) may be accepted by naming it in CF_NATLAB_ACCEPT (comma
+// separated; scripts/natlab.sh passes NATLAB_ACCEPT): it is then logged
+// with a KNOWN prefix and the scenario line says KNOWN, not PASS. Neither
+// issue below is accepted by default: both were seen fixed (README, "Through
+// real NATs"), and an entry goes once its scenario has passed for good.
 const (
 	// knownRelayCrash: after a relay crash, agents behind endpoint-independent
-	// NATs notice only when QUIC's idle timeout fires (30 to 45 s): their
+	// NATs noticed only when QUIC's idle timeout fired (30 to 45 s): their
 	// keep-alive PINGs are smaller than quic-go's minimum for answering with
-	// a stateless reset, and nothing else is sent to the relay.
+	// a stateless reset, and nothing else was sent to the relay.
 	knownRelayCrash = "relay-crash-detection"
 	// knownDirectGossip: two agents behind endpoint-independent NATs may
 	// keep gossiping through the relay: gossip packet streams opened on the
@@ -131,19 +134,66 @@ const (
 	knownDirectGossip = "direct-gossip"
 )
 
-// knownHit records on t that a known issue showed.
-var knownHit sync.Map // *testing.T -> bool
+// knownHit records on t that an accepted known issue showed.
+var knownHit sync.Map // testing.TB -> bool
 
-// known fails t in strict mode, else logs the issue and marks t.
-func known(t *testing.T, issue, format string, args ...any) {
+// accepted reports whether CF_NATLAB_ACCEPT names issue.
+func accepted(issue string) bool {
+	for _, a := range strings.Split(os.Getenv("CF_NATLAB_ACCEPT"), ",") {
+		if strings.TrimSpace(a) == issue {
+			return true
+		}
+	}
+	return false
+}
+
+// known fails t, unless issue is accepted (CF_NATLAB_ACCEPT): then it logs
+// the issue and marks t.
+func known(t testing.TB, issue, format string, args ...any) {
 	t.Helper()
 	msg := fmt.Sprintf(format, args...)
-	if os.Getenv("CF_NATLAB_STRICT") != "" {
-		t.Errorf("%s [%s]", msg, issue)
+	if !accepted(issue) {
+		t.Errorf("%s [known issue %s; CF_NATLAB_ACCEPT=%s accepts it]", msg, issue, issue)
 		return
 	}
 	knownHit.Store(t, true)
-	t.Logf("KNOWN (%s): %s", issue, msg)
+	t.Logf("KNOWN (%s, accepted by CF_NATLAB_ACCEPT): %s", issue, msg)
+}
+
+// TestKnownIssuesFailUnlessAccepted: a known issue fails its test like any
+// other error; CF_NATLAB_ACCEPT naming it makes it a logged KNOWN instead.
+func TestKnownIssuesFailUnlessAccepted(t *testing.T) {
+	for _, c := range []struct {
+		accept string
+		fails  bool
+	}{
+		{"", true},
+		{knownDirectGossip, true},
+		{knownDirectGossip + ", " + knownRelayCrash, false},
+		{knownRelayCrash, false},
+	} {
+		t.Setenv("CF_NATLAB_ACCEPT", c.accept)
+		rec := &recordingTB{}
+		known(rec, knownRelayCrash, "agents served again %v after a relay crash", 41*time.Second)
+		_, marked := knownHit.Load(rec)
+		if failed := len(rec.errors) > 0; failed != c.fails || marked == c.fails {
+			t.Errorf("CF_NATLAB_ACCEPT=%q: failed %v (%q), marked KNOWN %v; want failed %v", c.accept, failed, rec.errors, marked, c.fails)
+		}
+	}
+}
+
+// recordingTB records what known reports.
+type recordingTB struct {
+	testing.TB
+	errors, logs []string
+}
+
+func (r *recordingTB) Helper() {}
+func (r *recordingTB) Errorf(format string, args ...any) {
+	r.errors = append(r.errors, fmt.Sprintf(format, args...))
+}
+func (r *recordingTB) Logf(format string, args ...any) {
+	r.logs = append(r.logs, fmt.Sprintf(format, args...))
 }
 
 // report prints the scenario's one line for scripts/natlab.sh.
