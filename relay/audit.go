@@ -556,9 +556,15 @@ func (a *auditor) answered(model, client string, body []byte, h http.Header, str
 	if sample {
 		if sh, ok := shapeOf(body); ok {
 			o.PromptText, o.Messages = sh.promptBytes, sh.messages
+			// The headers an engine gets, kept as the client sent them
+			// (canonical keys, as ask passes them through
+			// copyRequestHeaders); never the session.
 			sh.header = make(http.Header, len(forwardedHeaders))
-			copyRequestHeaders(sh.header, h)
-			delete(sh.header, HeaderSession)
+			for _, fh := range forwardedHeaders {
+				if v := h[fh.canon]; len(v) > 0 && fh.canon != headerSessionCanon {
+					sh.header[fh.canon] = slices.Clone(v)
+				}
+			}
 			a.addShape(now, model, client, sh)
 		}
 	}
@@ -675,6 +681,11 @@ func (a *auditor) prompt(model string) ([]byte, http.Header) {
 	if t := a.traffic[model]; t != nil && t.n > 0 {
 		sh = t.shapes[a.rng.IntN(min(t.n, len(t.shapes)))]
 		hdr = sh.header.Clone()
+		if id := hdr.Get("X-Request-Id"); id != "" {
+			// A client's request ID is its own: the audit gets a fresh one
+			// of the same length and alphabet.
+			hdr.Set("X-Request-Id", a.lookalike(id))
+		}
 		var names []string
 		for c := range t.clients {
 			names = append(names, c)
@@ -693,7 +704,13 @@ func (a *auditor) prompt(model string) ([]byte, http.Header) {
 	// alternating user and assistant turns ending with the user.
 	n := min(max(sh.messages, 1), 16)
 	per := max(min(sh.promptBytes, 16<<10)/n, 24)
-	msgs := make([]map[string]string, 0, n)
+	// Role before content, as the OpenAI SDKs write them (a map would
+	// sort the keys).
+	type message struct {
+		Role    string `json:"role"`
+		Content string `json:"content"`
+	}
+	msgs := make([]message, 0, n)
 	for i := range n {
 		role := "user"
 		switch {
@@ -702,7 +719,7 @@ func (a *auditor) prompt(model string) ([]byte, http.Header) {
 		case (n-1-i)%2 == 1:
 			role = "assistant"
 		}
-		msgs = append(msgs, map[string]string{"role": role, "content": a.text(per)})
+		msgs = append(msgs, message{Role: role, Content: a.text(per)})
 	}
 	var b bytes.Buffer
 	b.WriteByte('{')
@@ -747,6 +764,29 @@ func (a *auditor) prompt(model string) ([]byte, http.Header) {
 	write("temperature", 0)
 	b.WriteByte('}')
 	return b.Bytes(), hdr
+}
+
+// lookalike returns a random string shaped like s: each digit replaced by
+// a digit, each letter by a letter of the same case (hex stays hex when
+// s is hex), anything else kept. The caller holds mu.
+func (a *auditor) lookalike(s string) string {
+	hex := strings.Trim(strings.ToLower(s), "0123456789abcdef-") == ""
+	b := []byte(s)
+	for i, c := range b {
+		switch {
+		case c >= '0' && c <= '9':
+			b[i] = '0' + byte(a.rng.IntN(10))
+		case hex && c >= 'a' && c <= 'f':
+			b[i] = 'a' + byte(a.rng.IntN(6))
+		case hex && c >= 'A' && c <= 'F':
+			b[i] = 'A' + byte(a.rng.IntN(6))
+		case c >= 'a' && c <= 'z':
+			b[i] = 'a' + byte(a.rng.IntN(26))
+		case c >= 'A' && c <= 'Z':
+			b[i] = 'A' + byte(a.rng.IntN(26))
+		}
+	}
+	return string(b)
 }
 
 // text returns about n bytes of sentences of auditWords. The caller holds

@@ -1,6 +1,7 @@
 package relay_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -9,7 +10,9 @@ import (
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -276,4 +279,178 @@ func faultEngine(t testing.TB, upstream, mode string) http.Handler {
 		w.(http.Flusher).Flush()
 		panic(http.ErrAbortHandler)
 	})
+}
+
+// recorder is an engine that answers every chat request with the same
+// text (so audits find everyone in agreement) and records what it got.
+type recorder struct {
+	mu   sync.Mutex
+	reqs []recorded
+}
+
+type recorded struct {
+	header http.Header
+	body   []byte
+}
+
+func (rc *recorder) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	switch r.URL.Path {
+	case "/v1/models":
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"object":"list","data":[{"id":"m1","object":"model","owned_by":"test"}]}`)
+		return
+	case "/v1/chat/completions":
+	default:
+		http.NotFound(w, r)
+		return
+	}
+	body, _ := io.ReadAll(r.Body)
+	rc.mu.Lock()
+	rc.reqs = append(rc.reqs, recorded{header: r.Header.Clone(), body: body})
+	rc.mu.Unlock()
+	var req struct {
+		Stream bool `json:"stream"`
+	}
+	_ = json.Unmarshal(body, &req)
+	if !req.Stream {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"model":"m1","choices":[{"index":0,"message":{"role":"assistant","content":"one answer for every prompt, from every engine"},"finish_reason":"stop"}],"usage":{"prompt_tokens":20,"completion_tokens":9}}`)
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	_, _ = io.WriteString(w, "data: {\"model\":\"m1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"one answer for every prompt, from every engine\"}}]}\n\n"+
+		"data: {\"model\":\"m1\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n")
+}
+
+func (rc *recorder) all() []recorded {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	return slices.Clone(rc.reqs)
+}
+
+// topKeys returns a JSON object's top-level keys in order.
+func topKeys(t *testing.T, b []byte) []string {
+	t.Helper()
+	dec := json.NewDecoder(bytes.NewReader(b))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		t.Fatalf("not an object: %s", b)
+	}
+	var keys []string
+	for dec.More() {
+		tok, _ := dec.Token()
+		keys = append(keys, tok.(string))
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return keys
+}
+
+// TestAuditLooksLikeTraffic compares, at the engines behind four real
+// agents, the requests of a client with the audits the relay sends: the
+// same headers (the request ID fresh, of the same form), the same body
+// fields in the same order, streamed like the client's with the same
+// stream options, a prompt of a similar size and none of the client's
+// words. What differs is listed in docs/audits.md: greedy decoding, a
+// capped max_tokens, fields of the client's own (user) left out.
+func TestAuditLooksLikeTraffic(t *testing.T) {
+	rl, admin := auditRelay(t, 200*time.Millisecond, "")
+	recs := make([]*recorder, 4)
+	for i := range recs {
+		recs[i] = &recorder{}
+		srv := httptest.NewServer(recs[i])
+		t.Cleanup(srv.Close)
+		startAgentFor(t, rl, fmt.Sprintf("rec-%d", i), srv.URL)
+	}
+	waitAgents(t, rl, "rec-0", "rec-1", "rec-2", "rec-3")
+	const clientWord = "zanzibar"
+	clientBody := `{"messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"` +
+		strings.Repeat(clientWord+" ", 40) + `"}],"model":"m1","stream":true,"stream_options":{"include_usage":true},"max_tokens":16,"temperature":0.7,"user":"u-42"}`
+	for range 3 {
+		req, _ := http.NewRequest(http.MethodPost, rl.url+"/v1/chat/completions", strings.NewReader(clientBody))
+		req.Header.Set("Authorization", "Bearer "+itKey)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "text/event-stream")
+		req.Header.Set("OpenAI-Beta", "assistants=v2")
+		req.Header.Set("X-Request-ID", "7f3a9c2e-0b1d-4e5f-8a6b-1c2d3e4f5a6b")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	waitFor(t, "an audit round", func() bool { return len(auditStatus(t, admin).Recent) > 0 })
+
+	var client, audits []recorded
+	for _, rc := range recs {
+		for _, r := range rc.all() {
+			if bytes.Contains(r.body, []byte(clientWord)) {
+				client = append(client, r)
+			} else {
+				audits = append(audits, r)
+			}
+		}
+	}
+	if len(client) != 3 || len(audits) < 4 {
+		t.Fatalf("%d client requests and %d audit requests at the engines", len(client), len(audits))
+	}
+	c := client[0]
+	for _, a := range audits {
+		for name := range c.header {
+			if name == "Content-Length" {
+				continue // the audit's prompt is of a similar size, not the same
+			}
+			if name == "X-Request-Id" {
+				if got, want := a.header.Get(name), c.header.Get(name); len(got) != len(want) || got == want || strings.Count(got, "-") != 4 {
+					t.Errorf("audit X-Request-ID %q for the client's %q", got, want)
+				}
+				continue
+			}
+			if !slices.Equal(a.header[name], c.header[name]) {
+				t.Errorf("header %s: audit %q, client %q", name, a.header[name], c.header[name])
+			}
+		}
+		for name := range a.header {
+			if _, ok := c.header[name]; !ok {
+				t.Errorf("audit carries header %s the client's request did not", name)
+			}
+		}
+		ck, ak := topKeys(t, c.body), topKeys(t, a.body)
+		// The audit's fields are the client's, in the client's order, but
+		// for the client's own (user).
+		if want := slices.DeleteFunc(slices.Clone(ck), func(k string) bool { return k == "user" }); !slices.Equal(ak, want) {
+			t.Errorf("audit fields %v, client's %v", ak, ck)
+		}
+		var raw struct{ Messages []json.RawMessage }
+		if err := json.Unmarshal(a.body, &raw); err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range raw.Messages {
+			if k := topKeys(t, m); !slices.Equal(k, []string{"role", "content"}) {
+				t.Errorf("audit message fields %v, the client's role, content", k)
+			}
+		}
+		var ab struct {
+			Messages      []struct{ Role, Content string }
+			Stream        bool
+			StreamOptions struct {
+				IncludeUsage bool `json:"include_usage"`
+			} `json:"stream_options"`
+			MaxTokens   int      `json:"max_tokens"`
+			Temperature *float64 `json:"temperature"`
+		}
+		if err := json.Unmarshal(a.body, &ab); err != nil {
+			t.Fatal(err)
+		}
+		size := 0
+		for _, m := range ab.Messages {
+			size += len(m.Content)
+		}
+		if len(ab.Messages) != 2 || ab.Messages[0].Role != "system" || ab.Messages[1].Role != "user" || !ab.Stream || !ab.StreamOptions.IncludeUsage ||
+			ab.MaxTokens != 16 || ab.Temperature == nil || *ab.Temperature != 0 || size < 200 || size > 600 {
+			t.Errorf("audit body %s", a.body)
+		}
+	}
 }
