@@ -188,6 +188,7 @@ type Agent struct {
 	authValue []string
 
 	inflight atomic.Int64
+	panics   atomic.Uint64                      // handler panics the stream server recovered
 	nat      atomic.Pointer[transport.AgentNAT] // set by Run
 	gossip   *transport.Gossip                  // set by Run before any goroutine reads it; nil when off
 	rejoin   chan struct{}                      // asks the gossip loop to join through the relay
@@ -285,6 +286,16 @@ func New(cfg Config) (*Agent, error) {
 
 // ID returns the agent's peer ID.
 func (a *Agent) ID() peer.ID { return a.id }
+
+// Panics returns how many request handler panics the agent's server
+// recovered (each logged with its stack, and published in gossip).
+func (a *Agent) Panics() uint64 { return a.panics.Load() }
+
+// countPanic counts a recovered handler panic and publishes the count.
+func (a *Agent) countPanic() {
+	a.panics.Add(1)
+	a.gossipNow()
+}
 
 // InFlight returns the number of requests being served.
 func (a *Agent) InFlight() int { return int(a.inflight.Load()) }
@@ -391,7 +402,8 @@ func (a *Agent) Run(ctx context.Context) error {
 		h.Peerstore().AddAddrs(l.info.ID, l.info.Addrs, peerstore.PermanentAddrTTL)
 	}
 
-	srv, err := transport.ServeHTTP(h, a, a.isRelay)
+	srv, err := transport.ServeHTTP(h, a, a.isRelay,
+		transport.WithServerLog(transport.ServerLog(a.log.With().Str("source", "stream-http").Logger(), a.countPanic)))
 	if err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
@@ -568,7 +580,7 @@ func infoEqual(x, y transport.JoinInfo) bool {
 // relays (ms are the registrations open).
 func (a *Agent) drain(ms []*transport.Membership) {
 	a.draining.Store(true)
-	a.gossipDraining()
+	a.gossipNow()
 	if len(ms) == 0 {
 		a.gossipLeave()
 		return

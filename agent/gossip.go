@@ -78,6 +78,7 @@ func (a *Agent) gossipMetaAt(now time.Time) transport.NodeMeta {
 		Draining:     a.draining.Load(),
 		Unavailable:  !engineOK,
 		LoadUnknown:  !known,
+		Panics:       a.Panics(),
 	}
 }
 
@@ -267,8 +268,9 @@ func (a *Agent) scrapeOnce(ctx context.Context, now time.Time) {
 	}
 }
 
-// gossipDraining publishes the draining flag now.
-func (a *Agent) gossipDraining() {
+// gossipNow publishes the agent's metadata now (its draining flag, its
+// panics), not at the next interval.
+func (a *Agent) gossipNow() {
 	if g := a.Gossip(); g != nil {
 		g.UpdateMeta()
 	}

@@ -18,8 +18,8 @@ import (
 )
 
 // TestGossipMetaFromEngine: the gossip metadata carries the engine's
-// models and load as read from its /metrics, our capacity, in-flight count
-// and draining flag, and fits memberlist's limit.
+// models and load as read from its /metrics, our capacity, in-flight count,
+// draining flag and recovered panics, and fits memberlist's limit.
 func TestGossipMetaFromEngine(t *testing.T) {
 	e := newEngine(t)
 	a, err := New(Config{
@@ -46,6 +46,13 @@ func TestGossipMetaFromEngine(t *testing.T) {
 	a.draining.Store(true)
 	if !a.gossipMeta().Draining {
 		t.Error("draining not in the metadata")
+	}
+	if m.Panics != 0 {
+		t.Errorf("%d panics before any", m.Panics)
+	}
+	a.countPanic() // what the stream server's ErrorLog calls (transport.ServerLog)
+	if got := a.gossipMeta().Panics; got != 1 || a.Panics() != 1 {
+		t.Errorf("a recovered panic: %d in the metadata, %d counted", got, a.Panics())
 	}
 
 	// An engine that stops answering makes the agent unavailable.

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"github.com/computeflux/computeflux/transport"
 )
 
 // servedPaths are the OpenAI endpoints forwarded to the engine, with their
@@ -103,7 +105,7 @@ func (a *Agent) forward(w http.ResponseWriter, r *http.Request, st *servedReq) {
 	}
 	sse := isEventStream(res.Header.Get("Content-Type"))
 	a.observeResponse(res, st, sse) // prefix index (usage.go)
-	removeHopHeaders(res.Header)
+	transport.RemoveHopHeaders(res.Header)
 	h := w.Header()
 	for k, vv := range res.Header {
 		if old := h[k]; old != nil {
@@ -167,39 +169,6 @@ func flushResponse(w http.ResponseWriter) {
 	_ = http.NewResponseController(w).Flush()
 }
 
-// hopHeader reports whether k (canonical) is a hop-by-hop header (RFC 9110
-// section 7.6.1, with httputil.ReverseProxy's list).
-func hopHeader(k string) bool {
-	switch k {
-	case "Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
-		"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade":
-		return true
-	}
-	return false
-}
-
-// removeHopHeaders drops h's hop-by-hop headers and those its Connection
-// header names.
-func removeHopHeaders(h http.Header) {
-	removeConnectionNamed(h)
-	for k := range h {
-		if hopHeader(k) {
-			delete(h, k)
-		}
-	}
-}
-
-// removeConnectionNamed drops the headers h's Connection header names.
-func removeConnectionNamed(h http.Header) {
-	for _, f := range h["Connection"] {
-		for sf := range strings.SplitSeq(f, ",") {
-			if sf = textproto.TrimString(sf); sf != "" {
-				h.Del(sf)
-			}
-		}
-	}
-}
-
 // emptyUserAgent keeps net/http from sending its own User-Agent when the
 // request had none.
 var emptyUserAgent = []string{""}
@@ -219,10 +188,10 @@ func (a *Agent) outHeader(h http.Header) http.Header {
 			break
 		}
 	}
-	removeConnectionNamed(h)
+	transport.RemoveConnectionNamed(h)
 	for k := range h {
 		switch {
-		case hopHeader(k), k == "Authorization", k == "Forwarded",
+		case transport.HopHeader(k), k == "Authorization", k == "Forwarded",
 			k == "X-Forwarded-For", k == "X-Forwarded-Host", k == "X-Forwarded-Proto",
 			k == "Content-Length": // the request's field is what is sent
 			delete(h, k)

@@ -13,6 +13,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/computeflux/computeflux/transport"
 )
 
 // newForwardingAgent returns an agent for engine (its path prefix base
@@ -194,7 +196,7 @@ func outHeaderCopy(authValue []string, in http.Header) http.Header {
 	h := make(http.Header, len(in)+1)
 	for k, vv := range in {
 		switch {
-		case hopHeader(k), k == "Authorization", k == "Forwarded",
+		case transport.HopHeader(k), k == "Authorization", k == "Forwarded",
 			k == "X-Forwarded-For", k == "X-Forwarded-Host", k == "X-Forwarded-Proto",
 			k == "Content-Length":
 			continue

@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	stdlog "log"
 	"math"
 	"net"
 	"net/http"
@@ -119,13 +118,16 @@ func (r *Relay) Table() []TableRow {
 		row := TableRow{
 			Name: a.Name, Kind: "agent", Peer: a.Peer.String(), Models: a.Models,
 			Weight: st.weight, WeightSource: st.weightSource, DeclaredWeight: a.Weight, Tier: st.priority,
-			Disabled: st.disabled, Draining: a.Draining || a.Health.Draining || st.draining, Capacity: a.Capacity,
+			Disabled: st.disabled, Draining: a.Health.Draining, Capacity: a.Capacity,
 		}
+		suspect := a.Health.Suspect
 		if s, ok := snaps[a.Name]; ok && !a.Dead {
+			// What the scheduler routes on, as the gauge counts it.
 			fillFromSnapshot(&row, s, cold)
+			row.Draining, suspect = s.Health.Draining, s.Health.Suspect
 		}
 		row.Path, row.RTTMillis = r.agentPath(a.Peer)
-		row.State = rowState(row, a.Dead, a.Health.Suspect)
+		row.State = rowState(row, a.Dead, suspect)
 		rows = append(rows, row)
 	}
 	for _, p := range r.providers.table.Load().list {
@@ -413,7 +415,7 @@ func (r *Relay) serveAdminOn(ln net.Listener) (stop func()) {
 		Handler:           r.AdminHandler(),
 		ReadHeaderTimeout: r.cfg.ReadHeaderTimeout,
 		MaxHeaderBytes:    r.cfg.MaxHeaderBytes,
-		ErrorLog:          stdlog.New(r.log.With().Str("source", "admin-http").Logger(), "", 0),
+		ErrorLog:          r.serverLog("admin-http"),
 	}
 	done := make(chan struct{})
 	go func() {

@@ -541,9 +541,10 @@ const shapeEvery = 200 * time.Millisecond
 // answered takes one client request for model, sent by client (the API
 // key's name; empty without keys), and its answer as tap saw it: the
 // request's shape is kept now and then, the answer's tokens feed the
-// budget, and the cheap checks look at it. Deferred by the request path;
-// rl says who served.
-func (a *auditor) answered(model, client string, body []byte, h http.Header, stream bool, tap *answerTap, rl *reqLog) {
+// budget, and the cheap checks look at it. The request path calls it once,
+// when an attempt's answer reached the client; agent is the endpoint that
+// served it.
+func (a *auditor) answered(model, client string, body []byte, h http.Header, stream bool, tap *answerTap, agent string) {
 	now := a.r.cfg.Clock.Now()
 	a.mu.Lock()
 	t := a.traffic[model]
@@ -568,14 +569,14 @@ func (a *auditor) answered(model, client string, body []byte, h http.Header, str
 			a.addShape(now, model, client, sh)
 		}
 	}
-	if rl.agent == "" || a.r.providers.get(rl.agent) != nil {
+	if agent == "" || a.r.providers.get(agent) != nil {
 		return
 	}
 	events, ok := tap.observed(&o, stream)
 	if !ok {
 		return
 	}
-	a.observeAnswer(rl.agent, o, events)
+	a.observeAnswer(agent, o, events)
 }
 
 // addShape keeps a request's shape for model.

@@ -98,17 +98,9 @@ const MaxClientWeight = 1000
 // LoadClientsFile reads and parses a clients file; key_files are read too.
 // Errors name the file, the line and the field, never a key.
 func LoadClientsFile(path string) (*ClientsFile, error) {
-	f, err := os.Open(path)
+	b, err := readConfigFile("clients file", path, maxClientsFileBytes) // endpointsfile.go
 	if err != nil {
-		return nil, fmt.Errorf("clients file: %w", err)
-	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, maxClientsFileBytes+1))
-	if err != nil {
-		return nil, fmt.Errorf("clients file %s: %w", path, err)
-	}
-	if len(b) > maxClientsFileBytes {
-		return nil, fmt.Errorf("clients file %s: larger than %d bytes", path, maxClientsFileBytes)
+		return nil, err
 	}
 	cf, err := ParseClientsFile(b, os.ReadFile)
 	if err != nil {

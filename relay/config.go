@@ -2,6 +2,7 @@ package relay
 
 import (
 	"bufio"
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -198,45 +199,23 @@ func (realClock) Now() time.Time { return time.Now() }
 
 // populate returns cfg with defaults filled in.
 func populate(cfg Config) Config {
-	if cfg.Listen == "" {
-		cfg.Listen = DefaultListen
-	}
+	cfg.Listen = cmp.Or(cfg.Listen, DefaultListen)
 	if len(cfg.P2PListen) == 0 {
 		cfg.P2PListen = append([]string(nil), DefaultP2PListen...)
 	}
-	if cfg.MaxAttempts == 0 {
-		cfg.MaxAttempts = DefaultMaxAttempts
-	}
-	if cfg.TTFBTimeout == 0 {
-		cfg.TTFBTimeout = DefaultTTFBTimeout
-	}
-	if cfg.IdleTimeout == 0 {
-		cfg.IdleTimeout = DefaultIdleTimeout
-	}
-	if cfg.MaxBodyBytes == 0 {
-		cfg.MaxBodyBytes = DefaultMaxBodyBytes
-	}
-	if cfg.ReadHeaderTimeout == 0 {
-		cfg.ReadHeaderTimeout = DefaultReadHeaderTimeout
-	}
-	if cfg.MaxHeaderBytes == 0 {
-		cfg.MaxHeaderBytes = DefaultMaxHeaderBytes
-	}
-	if cfg.ShutdownTimeout == 0 {
-		cfg.ShutdownTimeout = DefaultShutdownTimeout
-	}
-	if cfg.Clock == nil {
+	cfg.MaxAttempts = cmp.Or(cfg.MaxAttempts, DefaultMaxAttempts)
+	cfg.TTFBTimeout = cmp.Or(cfg.TTFBTimeout, DefaultTTFBTimeout)
+	cfg.IdleTimeout = cmp.Or(cfg.IdleTimeout, DefaultIdleTimeout)
+	cfg.MaxBodyBytes = cmp.Or(cfg.MaxBodyBytes, DefaultMaxBodyBytes)
+	cfg.ReadHeaderTimeout = cmp.Or(cfg.ReadHeaderTimeout, DefaultReadHeaderTimeout)
+	cfg.MaxHeaderBytes = cmp.Or(cfg.MaxHeaderBytes, DefaultMaxHeaderBytes)
+	cfg.ShutdownTimeout = cmp.Or(cfg.ShutdownTimeout, DefaultShutdownTimeout)
+	if cfg.Clock == nil { // not cmp.Or: a Clock need not be comparable
 		cfg.Clock = realClock{}
 	}
-	if cfg.IndexCutoff == 0 {
-		cfg.IndexCutoff = DefaultIndexCutoff
-	}
-	if cfg.MaxAgentWeight == 0 {
-		cfg.MaxAgentWeight = DefaultMaxAgentWeight
-	}
-	if cfg.AdminListen == "" {
-		cfg.AdminListen = DefaultAdminListen
-	}
+	cfg.IndexCutoff = cmp.Or(cfg.IndexCutoff, DefaultIndexCutoff)
+	cfg.MaxAgentWeight = cmp.Or(cfg.MaxAgentWeight, DefaultMaxAgentWeight)
+	cfg.AdminListen = cmp.Or(cfg.AdminListen, DefaultAdminListen)
 	if cfg.Policy != scheduler.PolicySticky {
 		cfg.Scheduler.Policy = cfg.Policy
 	}

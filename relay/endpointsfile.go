@@ -151,23 +151,33 @@ const maxEndpointsFileBytes = 4 << 20
 // LoadEndpointsFile reads and parses an endpoints file; key_files are read
 // too. Errors name the file, the line and the field.
 func LoadEndpointsFile(path string) (*EndpointsFile, error) {
-	f, err := os.Open(path)
+	b, err := readConfigFile("endpoints file", path, maxEndpointsFileBytes)
 	if err != nil {
-		return nil, fmt.Errorf("endpoints file: %w", err)
-	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, maxEndpointsFileBytes+1))
-	if err != nil {
-		return nil, fmt.Errorf("endpoints file %s: %w", path, err)
-	}
-	if len(b) > maxEndpointsFileBytes {
-		return nil, fmt.Errorf("endpoints file %s: larger than %d bytes", path, maxEndpointsFileBytes)
+		return nil, err
 	}
 	ef, err := ParseEndpointsFile(b, os.ReadFile)
 	if err != nil {
 		return nil, fmt.Errorf("endpoints file %s: %w", path, err)
 	}
 	return ef, nil
+}
+
+// readConfigFile reads the file of kind (say "endpoints file") at path, up
+// to limit bytes; its errors name the kind and the path.
+func readConfigFile(kind, path string, limit int) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", kind, err)
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, int64(limit)+1))
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w", kind, path, err)
+	}
+	if len(b) > limit {
+		return nil, fmt.Errorf("%s %s: larger than %d bytes", kind, path, limit)
+	}
+	return b, nil
 }
 
 var validName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)

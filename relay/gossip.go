@@ -185,17 +185,14 @@ func (g *Registry) gossipEvent(ev transport.GossipEvent) {
 			// the agent is back (it refuted, or the partition healed).
 			e.dead, upsert = false, true
 		}
-		if upsert {
-			g.sched.Upsert(g.endpoint(e))
-		}
-		g.sched.SetHealth(e.name, g.health(e))
+		g.publishLocked(e, upsert)
 	case transport.GossipDead, transport.GossipLeft:
 		if ev.Type == transport.GossipLeft {
 			e.health.Draining = true
 		}
 		if !e.dead {
 			e.dead = true
-			g.sched.Remove(e.name)
+			g.publishLocked(e, false)
 		}
 	}
 	name, dead := e.name, e.dead
@@ -204,7 +201,6 @@ func (g *Registry) gossipEvent(ev transport.GossipEvent) {
 	if ev.Type != transport.GossipUpdated || wasDead != dead {
 		g.log.Info().Str("agent", name).Stringer("peer", ev.Peer).Stringer("gossip", ev.Type).Bool("routable", !dead).Msg("agent membership changed")
 	}
-	g.changed()
 }
 
 // gossipModelsLocked applies a model list or capacity that changed in
@@ -255,6 +251,20 @@ func (g *Registry) gossipCounts() (alive, suspect map[transport.NodeRole]int, un
 	return alive, suspect, unregistered
 }
 
+// agentPanics returns, by agent name, the handler panics each agent alive
+// in gossip reports having recovered.
+func (g *Registry) agentPanics() map[string]uint64 {
+	out := map[string]uint64{}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, m := range g.members {
+		if m.metaOK && m.meta.Role == transport.NodeRoleAgent {
+			out[m.meta.Name] += m.meta.Panics
+		}
+	}
+	return out
+}
+
 // relayGossip is the relay's gossip member and its admission bookkeeping.
 type relayGossip struct {
 	r      *Relay
@@ -282,6 +292,7 @@ func (r *Relay) startP2PAdmission(relays map[peer.ID]bool) {
 		DisconnectedF: func(n network.Network, c network.Conn) {
 			if p := c.RemotePeer(); n.Connectedness(p) != network.Connected && n.Connectedness(p) != network.Limited {
 				r.reg.disconnected(p)
+				r.forgetPeer(p)
 			}
 		},
 	}
@@ -441,12 +452,14 @@ var (
 		"Gossip streams, by direction (opened, accepted).", []string{"direction"}, nil)
 	descGossipRejected = prometheus.NewDesc("computeflux_gossip_rejected_total",
 		"Gossip streams, packets and dials refused because the peer was not admitted.", nil, nil)
+	descAgentPanics = prometheus.NewDesc("computeflux_agent_panics_total",
+		"Request handler panics an agent alive in gossip reports its servers recovered since it started.", []string{"agent"}, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (c gossipCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descGossipMembers, descGossipUnregistered, descGossipPackets,
-		descGossipBytes, descGossipStreams, descGossipRejected} {
+		descGossipBytes, descGossipStreams, descGossipRejected, descAgentPanics} {
 		ch <- d
 	}
 }
@@ -468,6 +481,9 @@ func (c gossipCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descGossipStreams, prometheus.CounterValue, float64(s.StreamsOpened), "opened")
 	ch <- prometheus.MustNewConstMetric(descGossipStreams, prometheus.CounterValue, float64(s.StreamsAccepted), "accepted")
 	ch <- prometheus.MustNewConstMetric(descGossipRejected, prometheus.CounterValue, float64(s.Rejected))
+	for name, n := range c.r.reg.agentPanics() {
+		ch <- prometheus.MustNewConstMetric(descAgentPanics, prometheus.CounterValue, float64(n), name)
+	}
 }
 
 // startDrain marks the relay as stopping and leaves the gossip (once).

@@ -216,7 +216,7 @@ func TestAdmittedMidJoin(t *testing.T) {
 	if r.reg.IsJoined(p) || !r.reg.GossipAdmitted(p) {
 		t.Error("a peer that just left is not admitted to gossip for its leave")
 	}
-	r.reg.overdue(time.Now().Add(leaveGrace))
+	r.reg.sweep(time.Now().Add(leaveGrace))
 	if r.reg.GossipAdmitted(p) {
 		t.Error("a peer that left long ago is still admitted to gossip")
 	}

@@ -34,6 +34,7 @@ const statusClientClosed = 499
 
 // reqLog collects what the per-request log line and metrics report.
 type reqLog struct {
+	method   string // set when not POST
 	path     string
 	model    string
 	stream   bool
@@ -55,7 +56,7 @@ func (r *Relay) serveHTTP(w http.ResponseWriter, req *http.Request) {
 			writeError(w, errMethod(req.Method, "POST"))
 			return
 		}
-		r.serveInferenceLogged(w, req)
+		r.serveProxied(w, req, "", req.URL.Path, "") // proxy.go
 	case "/v1/models":
 		if !r.get(w, req) || !r.auth(w, req) {
 			return
@@ -116,57 +117,6 @@ func (r *Relay) authMetrics(w http.ResponseWriter, req *http.Request) bool {
 	}
 	writeError(w, errUnauthorized())
 	return false
-}
-
-// serveInferenceLogged serves one inference request and writes its log line
-// and metrics.
-func (r *Relay) serveInferenceLogged(w http.ResponseWriter, req *http.Request) {
-	start := r.cfg.Clock.Now()
-	rl := &reqLog{path: req.URL.Path}
-	var err error
-	if !r.cfg.NoAuth && !r.keys.check(req) {
-		err = errUnauthorized()
-	} else if r.limits != nil {
-		id := keyID(req, r.cfg.NoAuth)
-		if err = r.limits.acquire(id); err == nil {
-			err = r.serveInference(w, req, rl)
-			r.limits.release(id)
-		}
-	} else {
-		err = r.serveInference(w, req, rl)
-	}
-	abort := false
-	switch {
-	case err == nil:
-	case errors.Is(err, errAbort):
-		abort = true
-	case errors.Is(err, errClientGone):
-		rl.status = statusClientClosed
-	default:
-		e := writeError(w, err)
-		rl.status = e.Status
-	}
-	if rl.err == nil && err != nil && !errors.Is(err, errAbort) {
-		rl.err = err
-	}
-	dur := r.cfg.Clock.Now().Sub(start)
-	r.metrics.observe(rl, dur)
-	r.stats.observe(rl, start.Add(dur))
-	ev := r.reqLog.Info()
-	if rl.status >= 500 || rl.err != nil {
-		ev = r.reqLog.Warn()
-	}
-	ev = ev.Str("path", rl.path).Str("model", rl.model).Bool("stream", rl.stream).
-		Bool("session", rl.session).Str("agent", rl.agent).Str("affinity", rl.affinity).
-		Int("attempts", rl.attempts).Int("status", rl.status).
-		Dur("ttfb", rl.ttfb).Dur("duration", dur)
-	if rl.err != nil {
-		ev = ev.AnErr("error", rl.err)
-	}
-	ev.Msg("request")
-	if abort {
-		panic(http.ErrAbortHandler)
-	}
 }
 
 // modelObject is one entry of OpenAI's model list.

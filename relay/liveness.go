@@ -6,20 +6,23 @@ package relay
 //
 //   - The acknowledgement: the agent answers every request with
 //     transport.AckStatus transport.AckDelay after its header, or with the
-//     response head if that comes first. No ack within
-//     ackTimeout (a few round trip times) is a connection failure: the
+//     response head if that comes first. No ack within ackTimeout (a few
+//     round trip times) of the request's sending (not of the attempt's
+//     start: a request may wait for a stream to the agent, see
+//     transport.NewRoundTripper) is a connection failure: the
 //     attempt, not yet committed, is retried on another agent, and the
 //     agent is suspect at once (avoided by the scheduler).
 //   - The probe: a ping runs on every joined agent's connection, from its
 //     join on: every idleProbeInterval, and every probeInterval while
 //     requests are in flight to it (and for a short linger after). An agent
-//     that echoes nothing for silentAfter (idleSilentAfter when idle) is
-//     silent: it turns suspect and every request in flight to it is
-//     cancelled with ErrAgentSilent, so that an uncommitted attempt is
-//     retried elsewhere and a stream already going out ends with an error
-//     event. Silent for deadAfter, it is taken out of routing as gossip
-//     takes a dead member. The first echo after that clears both: a frozen
-//     agent that wakes up is routable again once it answers.
+//     that echoes nothing and sends no byte of any answer for silentAfter
+//     (idleSilentAfter when idle) is silent: it turns suspect and every
+//     request in flight to it is cancelled with ErrAgentSilent, so that an
+//     uncommitted attempt is retried elsewhere and a stream already going
+//     out ends with an error event. Silent for deadAfter, it is taken out
+//     of routing as gossip takes a dead member. The first echo after that
+//     clears both: a frozen agent that wakes up is routable again once it
+//     answers.
 //
 // The probe also keeps the agent's smoothed RTT in the peerstore (libp2p's
 // LatencyEWMA), which sets the ack bound.
@@ -101,8 +104,12 @@ type liveness struct {
 	ctx context.Context // the relay's background context
 	wg  *sync.WaitGroup // the relay's background goroutines
 
-	mu    sync.Mutex // guards watches
+	mu    sync.Mutex // guards watch and pings
 	watch map[peer.ID]*watch
+	// pings are the pingNow calls under way, by agent: requests whose ack
+	// bounds pass together share one (a ping stream each would soon meet
+	// the ping protocol's stream limit, and fail for that alone).
+	pings map[peer.ID]*pingCall
 
 	ackTimers sync.Pool // of *ackTimer that can fire no more
 }
@@ -113,8 +120,15 @@ type watch struct {
 	flights map[*flight]struct{}
 	suspect bool      // we marked it unresponsive
 	idleAt  time.Time // when the last flight ended
+	echoAt  time.Time // the prober's last echo
 	probing bool      // a prober goroutine runs
+	// readAt is when bytes of an answer last came from the agent, in Unix
+	// nanoseconds; atomic, as every read of every answer stores it.
+	readAt atomic.Int64
 }
+
+// read records that bytes of an answer came from the agent.
+func (w *watch) read() { w.readAt.Store(time.Now().UnixNano()) }
 
 // flight is one attempt in flight to an agent: registered with the agent's
 // watch, so that a silent agent cancels it, and bounded by its
@@ -126,8 +140,8 @@ type flight struct {
 	name   string
 	w      *watch
 	cancel context.CancelCauseFunc
-	bound  time.Duration // the ack bound
-	timer  *ackTimer     // fires at the ack bound
+	bound  time.Duration            // the ack bound
+	timer  atomic.Pointer[ackTimer] // fires at the ack bound; set when the request is sent
 	// ack is 0 while waiting, 1 once acknowledged, 2 once timed out. The
 	// first to move it decides, as for the time to first byte.
 	ack atomic.Int32
@@ -150,11 +164,11 @@ func (a *ackTimer) fire() {
 	a.mu.Lock()
 	a.spent = true
 	a.mu.Unlock()
-	a.f.ackExpired()
+	a.f.ackExpired(a)
 }
 
 func newLiveness(h host.Host, reg *Registry, log zerolog.Logger, ctx context.Context, wg *sync.WaitGroup) *liveness {
-	return &liveness{h: h, reg: reg, log: log, ctx: ctx, wg: wg, watch: make(map[peer.ID]*watch)}
+	return &liveness{h: h, reg: reg, log: log, ctx: ctx, wg: wg, watch: make(map[peer.ID]*watch), pings: make(map[peer.ID]*pingCall)}
 }
 
 // ackTimeout returns the ack bound for agent p.
@@ -163,10 +177,11 @@ func (l *liveness) ackTimeout(p peer.ID) time.Duration {
 }
 
 // begin registers an attempt in flight to agent name at peer p, whose
-// context cancel ends, and arms its acknowledgement bound: the agent must
-// acknowledge the request within it (flight.ackExpired). It returns the flight and the request context to
-// use; the caller calls f.acked once the response's header arrived and
-// f.end when the attempt is over.
+// context cancel ends. It returns the flight and the request context to
+// use, on which the request's sending arms its acknowledgement bound: the
+// agent must acknowledge the request within it (flight.ackExpired). The
+// caller calls f.acked once the response's header arrived and f.end when
+// the attempt is over.
 func (l *liveness) begin(ctx context.Context, cancel context.CancelCauseFunc, p peer.ID, name string) (*flight, context.Context) {
 	f := &flight{l: l, p: p, name: name, cancel: cancel}
 	l.mu.Lock()
@@ -174,13 +189,21 @@ func (l *liveness) begin(ctx context.Context, cancel context.CancelCauseFunc, p 
 	f.w.flights[f] = struct{}{}
 	l.startLocked(p, f.w)
 	l.mu.Unlock()
-	f.bound = l.ackTimeout(p)
+	return f, transport.WithReadProgress(transport.WithAck(ctx, f.sent, f.acked), f.w.read)
+}
+
+// sent arms f's acknowledgement bound, the request written.
+func (f *flight) sent() {
+	if f.ack.Load() != 0 || f.timer.Load() != nil {
+		return // over already, or a second request written (a retry on a fresh stream)
+	}
+	l := f.l
+	f.bound = l.ackTimeout(f.p)
 	a, _ := l.ackTimers.Get().(*ackTimer)
 	if a == nil {
 		a = &ackTimer{}
 	}
 	a.f = f
-	f.timer = a
 	a.mu.Lock()
 	a.spent = false
 	if a.t == nil {
@@ -189,7 +212,9 @@ func (l *liveness) begin(ctx context.Context, cancel context.CancelCauseFunc, p 
 		a.t.Reset(f.bound) // stopped when pooled: no fire is pending
 	}
 	a.mu.Unlock()
-	return f, transport.WithAck(ctx, f.acked)
+	// Armed before it is seen: an acked that misses it leaves it to go off
+	// for nothing (ackExpired sees the ack), and never reused.
+	f.timer.Store(a)
 }
 
 // end unregisters f and disarms its ack bound as an acknowledgement does:
@@ -212,7 +237,10 @@ func (f *flight) end() {
 // which is one too).
 func (f *flight) acked() {
 	if f.ack.CompareAndSwap(0, 1) {
-		a := f.timer
+		a := f.timer.Load()
+		if a == nil {
+			return // never sent: no bound armed
+		}
 		a.mu.Lock()
 		reuse := a.t.Stop() && !a.spent
 		a.mu.Unlock()
@@ -223,19 +251,22 @@ func (f *flight) acked() {
 	}
 }
 
-// ackExpired runs when the ack bound passed.
-func (f *flight) ackExpired() {
+// ackExpired runs when the ack bound a passed.
+func (f *flight) ackExpired(a *ackTimer) {
 	if f.ack.Load() != 0 {
 		return
 	}
 	// A late ack alone is no death: a loaded agent host (or relay) delays
-	// it. Before the attempt is given up the connection itself is asked,
-	// with a ping of its own: a dead or frozen agent answers none, a slow
-	// one does, and its attempt keeps waiting (the prober's silence bound
-	// still ends it if the agent goes quiet).
-	if f.l.pingNow(f.p, 2*f.bound) {
+	// it. Before the attempt is given up the connection itself is asked:
+	// the prober's last echo, if recent, else a ping of its own. A dead or
+	// frozen agent answers none, a slow one does, and its attempt keeps
+	// waiting (the prober's silence bound still ends it if the agent goes
+	// quiet). The prober's echo comes first because a ping of our own needs
+	// a new stream, which a connection busy with as many requests as the
+	// agent accepts streams may hold back until one ends.
+	if f.l.echoedWithin(f.w, 2*f.bound) || f.l.pingNow(f.p, 2*f.bound) {
 		if f.ack.Load() == 0 {
-			f.timer.t.Reset(f.bound) // spent already: never reused
+			a.t.Reset(f.bound) // spent already: never reused
 		}
 		return
 	}
@@ -310,6 +341,13 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		if l.busy(w) {
 			interval, bound = probeInterval, silentAfter
 		}
+		// Bytes of an answer are a sign of life as good as an echo: the
+		// agent's ping service resets each ping stream after 30 s, and the
+		// new one may wait for the connection's stream credit while the
+		// agent streams answers at full speed.
+		if at := time.Unix(0, w.readAt.Load()); at.After(lastAlive) {
+			lastAlive = at
+		}
 		start := time.Now()
 		// Until the silence bound from the last echo; once silent, each
 		// probe gets the whole bound to show the agent is back.
@@ -339,6 +377,9 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		if s != nil {
 			_ = s.Reset()
 			s = nil
+		}
+		if at := time.Unix(0, w.readAt.Load()); at.After(lastAlive) {
+			lastAlive = at
 		}
 		if now.Sub(lastAlive) >= bound {
 			l.silent(p, w)
@@ -395,11 +436,19 @@ func (l *liveness) stop(p peer.ID, w *watch) {
 	}
 }
 
+// echoedWithin reports whether w's prober had an echo within the last d.
+func (l *liveness) echoedWithin(w *watch, d time.Duration) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return time.Since(w.echoAt) < d
+}
+
 // alive clears w's suspicion after an echo.
 func (l *liveness) alive(p peer.ID, w *watch) {
 	l.mu.Lock()
 	was := w.suspect
 	w.suspect = false
+	w.echoAt = time.Now()
 	l.mu.Unlock()
 	if was {
 		l.log.Info().Str("agent", w.name).Msg("agent answers again")
@@ -465,27 +514,39 @@ func (g *Registry) holds(name string, p peer.ID) bool {
 	return ok && e.peer == p
 }
 
-// setUnresponsive marks agent name (registered to p) suspect because of a
-// liveness failure in the request path, or clears the mark.
-func (g *Registry) setUnresponsive(name string, p peer.ID, on bool) {
-	g.mu.Lock()
-	e, ok := g.byName[name]
-	changed := ok && e.peer == p && e.unresponsive != on
-	if changed {
-		e.unresponsive = on
-		if !e.dead {
-			g.sched.SetHealth(name, e.effectiveHealth())
-		}
-	}
-	g.mu.Unlock()
-	if changed {
-		g.changed()
-	}
+// pingCall is a pingNow under way: ok is set before done closes.
+type pingCall struct {
+	done chan struct{}
+	ok   bool
 }
 
 // pingNow pings agent p once on its existing connection and reports whether
-// the echo came within d.
+// the echo came within d. Calls for p while one is under way wait for its
+// answer (at most d) instead of sending their own.
 func (l *liveness) pingNow(p peer.ID, d time.Duration) bool {
+	l.mu.Lock()
+	if c := l.pings[p]; c != nil {
+		l.mu.Unlock()
+		select {
+		case <-c.done:
+			return c.ok
+		case <-time.After(d):
+			return false
+		}
+	}
+	c := &pingCall{done: make(chan struct{})}
+	l.pings[p] = c
+	l.mu.Unlock()
+	c.ok = l.pingFresh(p, d)
+	l.mu.Lock()
+	delete(l.pings, p)
+	l.mu.Unlock()
+	close(c.done)
+	return c.ok
+}
+
+// pingFresh is pingNow's ping, on a stream of its own.
+func (l *liveness) pingFresh(p peer.ID, d time.Duration) bool {
 	start := time.Now()
 	deadline := start.Add(d)
 	s, err := l.openPing(p, deadline)

@@ -2,8 +2,12 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"testing"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/peer"
 
 	"github.com/rs/zerolog"
 
@@ -27,17 +31,54 @@ func TestFlightEndDisarmsAckBound(t *testing.T) {
 	for _, acked := range []bool{true, false, true, false} {
 		ctx, cancel := context.WithCancelCause(context.Background())
 		f, _ := l.begin(ctx, cancel, h.ID(), "agent")
+		f.sent()
 		if acked {
 			f.acked()
 		}
 		f.end()
-		if f.timer.t.Stop() {
+		if f.timer.Load().t.Stop() {
 			t.Fatalf("acked %v: the ack bound of an ended flight was still armed", acked)
 		}
 		if cause := context.Cause(ctx); cause != nil {
 			t.Fatalf("acked %v: flight cancelled with %v", acked, cause)
 		}
 		cancel(nil)
+	}
+	wg.Wait()
+}
+
+// TestAckBoundStartsWhenSent: a request not written yet (waiting for a
+// stream to the agent) is not bounded by the ack; written, it is, and an
+// agent that does not answer the ping that follows is left.
+func TestAckBoundStartsWhenSent(t *testing.T) {
+	h, err := transport.NewHost(transport.HostConfig{ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	bg, stop := context.WithCancel(context.Background())
+	stop()
+	var wg sync.WaitGroup
+	l := newLiveness(h, newRegistry(nil, zerolog.Nop()), zerolog.Nop(), bg, &wg)
+	// A peer with no connection: pings fail, as to a dead agent.
+	dead := peer.ID("12D3KooWGzh9fVnBvQUzvTDiStHRrptQhY1SDCNwX5UzqjmdBM1A")
+	ctx, cancel := context.WithCancelCause(context.Background())
+	defer cancel(nil)
+	f, _ := l.begin(ctx, cancel, dead, "agent")
+	defer f.end()
+	select {
+	case <-ctx.Done():
+		t.Fatalf("a request not sent yet was given up: %v", context.Cause(ctx))
+	case <-time.After(3 * minAckTimeout):
+	}
+	f.sent()
+	select {
+	case <-ctx.Done():
+		if !errors.Is(context.Cause(ctx), ErrNoAck) {
+			t.Fatalf("given up with %v", context.Cause(ctx))
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a request sent to a dead agent was never given up")
 	}
 	wg.Wait()
 }

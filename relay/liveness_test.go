@@ -183,6 +183,53 @@ func TestSilentAgentEndsStreamWithErrorEvent(t *testing.T) {
 	t.Logf("silent agent's stream ended with an error event %v after its last event", gap)
 }
 
+// An agent whose pings go unanswered but whose answers keep coming is not
+// silent: bytes of an answer are a sign of life as good as an echo (a
+// busy connection may hold a new ping stream back). Its stream, longer
+// than the silence bound, ends with [DONE].
+func TestStreamingAgentWithoutEchoIsNotSilent(t *testing.T) {
+	rl := startRelayLogger(t, zerolog.New(io.Discard))
+	h := newHostOpts(t, libp2p.Ping(false)) // no echo, ever
+	relayID := rl.info().ID
+	const events = 15 // 3 s at one event per 200 ms, twice silentAfter
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		tick := time.NewTicker(200 * time.Millisecond)
+		defer tick.Stop()
+		for range events {
+			_, _ = io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n")
+			w.(http.Flusher).Flush()
+			select {
+			case <-tick.C:
+			case <-r.Context().Done():
+				return
+			}
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	})
+	srv, err := transport.ServeHTTP(h, handler, func(p peer.ID) bool { return p == relayID })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	joinHost(t, rl, h, "streaming")
+	waitAgents(t, rl, "streaming")
+
+	c := newClient(t, rl.url)
+	resp, err := c.post("/v1/chat/completions", `{"model":"m1","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(string(b), `"content":"hi"`); n != events || !strings.HasSuffix(strings.TrimSpace(string(b)), "data: [DONE]") {
+		t.Fatalf("%d of %d events, then %q", n, events, b[max(0, len(b)-120):])
+	}
+}
+
 // Detection of a silent agent with no request in flight, through package
 // agent: each run kills one agent by dropping its packets, half of them
 // right after it joined, and measures until the relay routes around it.

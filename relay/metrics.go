@@ -1,6 +1,9 @@
 package relay
 
 import (
+	stdlog "log"
+	"maps"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -9,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
 )
 
 // metrics are the relay's Prometheus metrics, on a registry of its own.
@@ -20,14 +24,18 @@ type metrics struct {
 	duration prometheus.Histogram
 	retries  prometheus.Counter
 	failures *prometheus.CounterVec // failed attempts before the first byte, by agent
-	routable prometheus.Gauge
+	routable prometheus.GaugeFunc
 	forged   prometheus.Counter // peers cut off for forged gossip
 	index    *indexMetrics      // prefix index traffic (prefix.go)
 	relay    *Relay
 
-	// Children of requests and affinity, resolved once per label set.
+	panics *prometheus.CounterVec // recovered handler panics, by server
+
+	// Children of requests, affinity and failures, resolved once per label
+	// set.
 	requestsBy resolvedCounters[requestLabels]
 	affinityBy resolvedCounters[string]
+	failuresBy resolvedCounters[string]
 }
 
 // requestLabels are the labels of computeflux_requests_total.
@@ -70,21 +78,38 @@ func newMetrics(r *Relay) *metrics {
 			Name: "computeflux_attempt_failures_total",
 			Help: "Attempts that failed before their first byte (and were retried or given up), by agent.",
 		}, []string{"agent"}),
-		routable: prometheus.NewGauge(prometheus.GaugeOpts{
+		// Read at scrape time from the state the scheduler routes on.
+		routable: prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "computeflux_agents_routable",
-			Help: "Joined agents that may take new requests (not draining, not dead, serving a model).",
-		}),
+			Help: "Joined agents the scheduler routes to (serving a model; not dead, disabled, draining or suspect).",
+		}, func() float64 { return float64(r.reg.routable()) }),
 		forged: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "computeflux_gossip_forgeries_total",
 			Help: "Joined peers cut off because they sent gossip no honest member sends.",
 		}),
+		panics: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "computeflux_panics_total",
+			Help: "Request handler panics the relay's HTTP servers recovered (each logged with its stack), by server: http (the API) or admin-http.",
+		}, []string{"component"}),
 	}
-	m.reg.MustRegister(m.requests, m.affinity, m.ttfb, m.duration, m.retries, m.failures, m.routable, m.forged,
+	for _, c := range panicComponents {
+		m.panics.WithLabelValues(c) // the series exist from the start, at 0
+	}
+	m.reg.MustRegister(m.requests, m.affinity, m.ttfb, m.duration, m.retries, m.failures, m.routable, m.forged, m.panics,
 		schedulerCollector{r: r},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.reg.MustRegister(m.index.collectors(r.sched)...)
 	return m
+}
+
+// panicComponents are the values of computeflux_panics_total's label.
+var panicComponents = []string{"http", "admin-http"}
+
+// serverLog is the ErrorLog of the relay's HTTP server named component
+// (one of panicComponents): into the relay's log, panics counted.
+func (r *Relay) serverLog(component string) *stdlog.Logger {
+	return transport.ServerLog(r.log.With().Str("source", component).Logger(), r.metrics.panics.WithLabelValues(component).Inc)
 }
 
 // observe records one finished inference request.
@@ -130,6 +155,27 @@ func (r *resolvedCounters[K]) get(k K, resolve func(K) prometheus.Counter) prome
 	return c
 }
 
+// forget removes the children whose key matches and returns their keys.
+func (r *resolvedCounters[K]) forget(match func(K) bool) []K {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []K
+	for k := range r.m {
+		if match(k) {
+			delete(r.m, k)
+			out = append(out, k)
+		}
+	}
+	return out
+}
+
+// keys returns the keys of the children resolved so far.
+func (r *resolvedCounters[K]) keys() []K {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	return slices.Collect(maps.Keys(r.m))
+}
+
 // requestCounter returns the requests counter of agent and status.
 func (m *metrics) requestCounter(agent string, status int) prometheus.Counter {
 	return m.requestsBy.get(requestLabels{agent, status}, func(k requestLabels) prometheus.Counter {
@@ -137,15 +183,42 @@ func (m *metrics) requestCounter(agent string, status int) prometheus.Counter {
 	})
 }
 
+// failureCounter returns the failed-attempts counter of agent.
+func (m *metrics) failureCounter(agent string) prometheus.Counter {
+	return m.failuresBy.get(agent, func(a string) prometheus.Counter {
+		return m.failures.WithLabelValues(a)
+	})
+}
+
+// forgetAgent removes agent's series (its registration ended): agents that
+// come and go under new names leave no series behind.
+func (m *metrics) forgetAgent(agent string) {
+	for _, k := range m.requestsBy.forget(func(k requestLabels) bool { return k.agent == agent }) {
+		m.requests.DeleteLabelValues(k.agent, strconv.Itoa(k.status))
+	}
+	if len(m.failuresBy.forget(func(a string) bool { return a == agent })) > 0 {
+		m.failures.DeleteLabelValues(agent)
+	}
+	m.index.forgetAgent(agent)
+}
+
+// agentNames returns the agents that have series of their own.
+func (m *metrics) agentNames() map[string]bool {
+	out := make(map[string]bool)
+	for _, k := range m.requestsBy.keys() {
+		out[k.agent] = true
+	}
+	for _, a := range m.failuresBy.keys() {
+		out[a] = true
+	}
+	return out
+}
+
 // affinityCounter returns the affinity counter of result.
 func (m *metrics) affinityCounter(result string) prometheus.Counter {
 	return m.affinityBy.get(result, func(r string) prometheus.Counter {
 		return m.affinity.WithLabelValues(r)
 	})
-}
-
-func (m *metrics) updateRoutable() {
-	m.routable.Set(float64(m.relay.reg.routable()))
 }
 
 // schedulerCollector exports the scheduler's per-agent state at scrape time.

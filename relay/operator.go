@@ -3,8 +3,6 @@ package relay
 import (
 	"math"
 	"sync"
-
-	"github.com/computeflux/computeflux/scheduler"
 )
 
 // DefaultMaxAgentWeight caps the weight an agent declares when it joins
@@ -148,39 +146,6 @@ func (o *operator) applyAdmin(name string, st *settings) {
 		st.disabled = *ov.disabled
 	}
 	st.draining = ov.draining
-}
-
-// endpoint is the scheduler's view of agent e, with the operator's
-// settings applied. Called with g.mu held.
-func (g *Registry) endpoint(e *entry) scheduler.Endpoint {
-	ep := e.endpoint()
-	st := g.ops.agent(e.name, ep.Weight)
-	ep.Weight, ep.Priority, ep.Disabled = st.weight, st.priority, st.disabled
-	return ep
-}
-
-// health is the health the scheduler sees for agent e: the admin API's
-// drain wins. Called with g.mu held.
-func (g *Registry) health(e *entry) scheduler.Health {
-	h := e.effectiveHealth()
-	if g.ops != nil && g.ops.agent(e.name, 0).draining {
-		h.Draining = true
-	}
-	return h
-}
-
-// reapply hands every routable agent's endpoint and health to the
-// scheduler again, after the operator's settings changed.
-func (g *Registry) reapply() {
-	g.mu.Lock()
-	for _, e := range g.byName {
-		if !e.dead {
-			g.sched.Upsert(g.endpoint(e))
-			g.sched.SetHealth(e.name, g.health(e))
-		}
-	}
-	g.mu.Unlock()
-	g.changed()
 }
 
 // has reports whether an agent holds name.

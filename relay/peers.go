@@ -5,8 +5,8 @@ package relay
 // Relays learn each other from the agents that joined them (every agent's
 // join info lists all its relays) and from PeersConfig.Relays. A relay
 // keeps one outbound SessionsProtocol stream to every peer relay it knows:
-// both sides prove the join secret (HMAC over both peer IDs and the other
-// side's nonce), then the dialer sends the bindings it holds and, from then
+// both sides prove the join secret (transport.Handshake, mutual), then the
+// dialer sends the bindings it holds and, from then
 // on, batches of binding updates (every local new binding or move, and a
 // refresh of a busy session every TTL/10). Its peer does the same the other
 // way, so each stream carries one direction. A peer relay, once it has
@@ -21,17 +21,14 @@ package relay
 // has not rejoined after a restart) stays in the table and is installed
 // when a request of the session arrives (installBinding).
 //
-// Frames: length uint32 big endian (bytes after it, 1..maxPeerFrame), type
-// byte, body. Handshake: challenge (reader -> dialer, 32-byte nonce),
-// proof (dialer -> reader: its nonce || HMAC), proof (reader -> dialer:
-// HMAC). Then bindings frames, dialer -> reader only (encodeBindings).
+// Frames are transport.Framing's (at most maxPeerFrame). The handshake is
+// transport.Handshake's, mutual, the reader accepting and the dialer
+// initiating with no payload; then bindings frames, dialer -> reader only
+// (encodeBindings).
 
 import (
 	"bufio"
 	"context"
-	"crypto/hmac"
-	crand "crypto/rand"
-	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -50,10 +47,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/transport"
 )
 
 // SessionsProtocol carries session bindings from one relay to a peer relay.
-const SessionsProtocol protocol.ID = "/computeflux/sessions/1.0.0"
+const SessionsProtocol protocol.ID = "/computeflux/sessions/2.0.0"
 
 // Defaults for the zero values of PeersConfig.
 const (
@@ -99,18 +97,15 @@ func (c PeersConfig) populate() PeersConfig {
 
 // Wire limits of the sessions protocol.
 const (
-	peerVersion      byte = 1
-	maxPeerFrame          = 1 << 20
-	peerBatchBytes        = 32 << 10 // a batch frame is cut at about this size
-	maxPeerKey            = 1024     // longer session keys are not shared
-	maxPeerEndpoint       = 256
-	maxPeerLinks          = 64 // peer relays known at once
-	peerNonceSize         = 32
-	peerIOTimeout         = 10 * time.Second
-	peerProofLabel        = "computeflux relay peer proof"
-	msgPeerChallenge byte = 1
-	msgPeerProof     byte = 2
-	msgPeerBindings  byte = 3
+	peerVersion     byte = 1
+	maxPeerFrame         = 1 << 20
+	peerBatchBytes       = 32 << 10 // a batch frame is cut at about this size
+	maxPeerKey           = 1024     // longer session keys are not shared
+	maxPeerEndpoint      = 256
+	maxPeerLinks         = 64 // peer relays known at once
+	peerIOTimeout        = 10 * time.Second
+	peerProofLabel       = "computeflux relay peer proof"
+	msgPeerBindings      = transport.FrameProtocol
 )
 
 // errPeerFrame reports a frame that violates the sessions protocol.
@@ -137,7 +132,7 @@ type PeerStats struct {
 type peerManager struct {
 	r     *Relay
 	cfg   PeersConfig
-	token []byte
+	hs    *transport.Handshake // the sessions protocol's framing and handshake
 	table *scheduler.BindingTable
 	any   atomic.Bool // a peer has been authenticated: installs are worth a lookup
 
@@ -171,9 +166,12 @@ type peerLink struct {
 func newPeerManager(r *Relay) *peerManager {
 	sc := r.sched.Config()
 	pm := &peerManager{
-		r:     r,
-		cfg:   r.cfg.Peers.populate(),
-		token: r.cfg.Token,
+		r:   r,
+		cfg: r.cfg.Peers.populate(),
+		hs: &transport.Handshake{
+			Framing: transport.Framing{Version: peerVersion, MaxFrame: maxPeerFrame},
+			Secret:  r.cfg.Token, Label: peerProofLabel, Mutual: true,
+		},
 		table: scheduler.NewBindingTable(sc.SessionTTL, sc.MaxSessions),
 		links: make(map[peer.ID]*peerLink),
 	}
@@ -398,9 +396,12 @@ func (pm *peerManager) session(l *peerLink) error {
 	cw := &countingWriter{w: s, n: &pm.bytesSent}
 	cr := bufio.NewReader(&countingReader{r: s, n: &pm.bytesRecv})
 	_ = s.SetDeadline(time.Now().Add(peerIOTimeout))
-	if err := pm.proveDialer(cr, cw, l.id); err != nil {
+	if err := pm.hs.Initiate(cr, cw, h.ID(), l.id, nil); err != nil {
 		close(gone)
-		return err
+		if errors.Is(err, transport.ErrBadProof) {
+			return errors.New("handshake: the peer relay does not hold our join secret")
+		}
+		return fmt.Errorf("handshake: %w", err)
 	}
 	_ = s.SetDeadline(time.Time{})
 	// The peer sends nothing more: a read returns when the stream or its
@@ -471,7 +472,7 @@ func (pm *peerManager) send(s network.Stream, bw *bufio.Writer, bs []scheduler.B
 	for len(bs) > 0 {
 		body, n := encodeBindings(bs, peerBatchBytes)
 		_ = s.SetWriteDeadline(time.Now().Add(peerIOTimeout))
-		if err := writePeerFrame(bw, msgPeerBindings, body); err != nil {
+		if err := pm.hs.WriteFrame(bw, msgPeerBindings, body); err != nil {
 			return err
 		}
 		pm.sent.Add(uint64(n))
@@ -489,7 +490,14 @@ func (pm *peerManager) handle(s network.Stream) {
 	cw := &countingWriter{w: s, n: &pm.bytesSent}
 	cr := bufio.NewReader(&countingReader{r: s, n: &pm.bytesRecv})
 	_ = s.SetDeadline(time.Now().Add(peerIOTimeout))
-	if err := pm.proveReader(cr, cw, p); err != nil {
+	self := pm.r.host.ID()
+	hello, err := pm.hs.Accept(cr, cw, self, p)
+	if err == nil {
+		err = pm.hs.Welcome(cw, hello, self, p)
+	} else if errors.Is(err, transport.ErrBadProof) {
+		_ = pm.hs.Reject(cw, "invalid peer relay proof (another join secret?)")
+	}
+	if err != nil {
 		pm.refused.Add(1)
 		pm.r.log.Warn().Err(err).Stringer("peer", p).Msg("peer relay refused")
 		return
@@ -510,7 +518,7 @@ func (pm *peerManager) handle(s network.Stream) {
 		}
 	}
 	for {
-		typ, body, err := readPeerFrame(cr)
+		typ, body, err := pm.hs.ReadFrame(cr)
 		if err != nil {
 			return
 		}
@@ -572,104 +580,6 @@ func (r *Relay) PeerRelays() []peer.ID {
 		}
 	}
 	return out
-}
-
-// proveDialer runs the dialer's side of the handshake with reader.
-func (pm *peerManager) proveDialer(r io.Reader, w io.Writer, reader peer.ID) error {
-	typ, nonceR, err := readPeerFrame(r)
-	if err != nil {
-		return fmt.Errorf("handshake: %w", err)
-	}
-	if typ != msgPeerChallenge || len(nonceR) != peerNonceSize {
-		return fmt.Errorf("handshake: %w", errPeerFrame)
-	}
-	var nonceW [peerNonceSize]byte
-	if _, err := crand.Read(nonceW[:]); err != nil {
-		return err
-	}
-	self := pm.r.host.ID()
-	proof := append(nonceW[:], peerProof(pm.token, 'D', reader, self, nonceR)...)
-	if err := writePeerFrame(w, msgPeerProof, proof); err != nil {
-		return fmt.Errorf("handshake: %w", err)
-	}
-	typ, mac, err := readPeerFrame(r)
-	if err != nil {
-		return fmt.Errorf("handshake: %w (wrong secret at the peer?)", err)
-	}
-	if typ != msgPeerProof || !hmac.Equal(mac, peerProof(pm.token, 'R', reader, self, nonceW[:])) {
-		return errors.New("handshake: the peer relay does not hold our join secret")
-	}
-	return nil
-}
-
-// proveReader runs the accepting side of the handshake with dialer.
-func (pm *peerManager) proveReader(r io.Reader, w io.Writer, dialer peer.ID) error {
-	var nonceR [peerNonceSize]byte
-	if _, err := crand.Read(nonceR[:]); err != nil {
-		return err
-	}
-	if err := writePeerFrame(w, msgPeerChallenge, nonceR[:]); err != nil {
-		return err
-	}
-	typ, body, err := readPeerFrame(r)
-	if err != nil {
-		return err
-	}
-	if typ != msgPeerProof || len(body) != peerNonceSize+sha256.Size {
-		return errPeerFrame
-	}
-	self := pm.r.host.ID()
-	nonceW, mac := body[:peerNonceSize], body[peerNonceSize:]
-	if !hmac.Equal(mac, peerProof(pm.token, 'D', self, dialer, nonceR[:])) {
-		return errors.New("invalid peer relay proof (another join secret?)")
-	}
-	return writePeerFrame(w, msgPeerProof, peerProof(pm.token, 'R', self, dialer, nonceW))
-}
-
-// peerProof is one side's proof of the secret: HMAC-SHA256 over the label,
-// the version, the side ('D' dialer, 'R' reader), both peer IDs and the
-// other side's nonce.
-func peerProof(token []byte, side byte, reader, dialer peer.ID, nonce []byte) []byte {
-	m := hmac.New(sha256.New, token)
-	m.Write([]byte(peerProofLabel))
-	m.Write([]byte{peerVersion, side})
-	for _, b := range [][]byte{[]byte(reader), []byte(dialer), nonce} {
-		var n [4]byte
-		binary.BigEndian.PutUint32(n[:], uint32(len(b)))
-		m.Write(n[:])
-		m.Write(b)
-	}
-	return m.Sum(nil)
-}
-
-func writePeerFrame(w io.Writer, typ byte, body []byte) error {
-	if len(body)+1 > maxPeerFrame {
-		return fmt.Errorf("sessions frame of %d bytes", len(body)+1)
-	}
-	var hdr [5]byte
-	binary.BigEndian.PutUint32(hdr[:4], uint32(len(body)+1))
-	hdr[4] = typ
-	if _, err := w.Write(hdr[:]); err != nil {
-		return err
-	}
-	_, err := w.Write(body)
-	return err
-}
-
-func readPeerFrame(r io.Reader) (byte, []byte, error) {
-	var hdr [5]byte
-	if _, err := io.ReadFull(r, hdr[:]); err != nil {
-		return 0, nil, err
-	}
-	n := binary.BigEndian.Uint32(hdr[:4])
-	if n < 1 || n > maxPeerFrame {
-		return 0, nil, errPeerFrame
-	}
-	body := make([]byte, n-1)
-	if _, err := io.ReadFull(r, body); err != nil {
-		return 0, nil, err
-	}
-	return hdr[4], body, nil
 }
 
 // encodeBindings encodes the longest prefix of bs that fits about limit

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"slices"
 	"sync"
 	"time"
 
@@ -223,6 +224,9 @@ func (x *indexService) reject(c *indexConn, reason string) {
 // serve reads c until it ends; a *violation error is a breach.
 func (x *indexService) serve(c *indexConn, p peer.ID, name string) error {
 	pr := transport.NewPrefixReader(c.s)
+	x.mu.Lock()
+	x.traffic[name] += 0 // the agent has index series: see names
+	x.mu.Unlock()
 	var (
 		m                        transport.PrefixMsg
 		hello, synced, inSnap    bool
@@ -230,8 +234,8 @@ func (x *indexService) serve(c *indexConn, p peer.ID, name string) error {
 		lastSeq                  uint64
 		snap                     []uint64
 		bytesC                   = x.m.bytes.WithLabelValues(name)
-		helloC, snapC, deltaC    = x.m.frames.WithLabelValues(name, "hello"), x.m.frames.WithLabelValues(name, "snapshot"), x.m.frames.WithLabelValues(name, "delta")
-		addedC, evictedC, resetC = x.m.hashes.WithLabelValues(name, "added"), x.m.hashes.WithLabelValues(name, "evicted"), x.m.hashes.WithLabelValues(name, "snapshot")
+		helloC, snapC, deltaC    = x.m.frames.WithLabelValues(name, indexFrameTypes[0]), x.m.frames.WithLabelValues(name, indexFrameTypes[1]), x.m.frames.WithLabelValues(name, indexFrameTypes[2])
+		addedC, evictedC, resetC = x.m.hashes.WithLabelValues(name, indexHashKinds[0]), x.m.hashes.WithLabelValues(name, indexHashKinds[1]), x.m.hashes.WithLabelValues(name, indexHashKinds[2])
 	)
 	for {
 		n, err := pr.Next(&m)
@@ -403,6 +407,48 @@ func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descIndexBytes, prometheus.GaugeValue, float64(st.Bytes))
 }
 
+// Label values of the per-agent index series.
+var (
+	indexFrameTypes = []string{"hello", "snapshot", "delta"}
+	indexHashKinds  = []string{"added", "evicted", "snapshot"}
+)
+
+// forgetAgent removes agent's index series.
+func (m *indexMetrics) forgetAgent(agent string) {
+	m.bytes.DeleteLabelValues(agent)
+	for _, t := range indexFrameTypes {
+		m.frames.DeleteLabelValues(agent, t)
+	}
+	for _, k := range indexHashKinds {
+		m.hashes.DeleteLabelValues(agent, k)
+	}
+}
+
+// forget drops agent's traffic count (its registration ended).
+func (x *indexService) forget(agent string) {
+	x.mu.Lock()
+	delete(x.traffic, agent)
+	x.mu.Unlock()
+}
+
+// names returns the agents with a traffic count.
+func (x *indexService) names() []string {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return slices.Collect(maps.Keys(x.traffic))
+}
+
+// sweep forgets cut-offs that ended.
+func (x *indexService) sweep(now time.Time) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	for p, until := range x.banned {
+		if !now.Before(until) {
+			delete(x.banned, p)
+		}
+	}
+}
+
 // observePick counts a first attempt's prompt blocks and those the chosen
 // agent was believed to hold.
 func (m *indexMetrics) observePick(blocks, cached int) {
@@ -413,7 +459,7 @@ func (m *indexMetrics) observePick(blocks, cached int) {
 }
 
 // PrefixTraffic returns the bytes of prefix index updates received from
-// each agent (by name) since the relay started; nil with NoP2P.
+// each joined agent (by name) since it joined; nil with NoP2P.
 func (r *Relay) PrefixTraffic() map[string]uint64 {
 	if r.index == nil {
 		return nil

@@ -31,9 +31,6 @@ const maxNameLen = 128
 type Registry struct {
 	sched *scheduler.Scheduler
 	log   zerolog.Logger
-	// onChange, if set, is called (without mu held) after the routable set
-	// may have changed.
-	onChange func()
 	// index, if set, hears of registrations that end and of agents whose
 	// prefix index entries were dropped while they stayed joined (prefix.go).
 	index *indexService
@@ -43,6 +40,11 @@ type Registry struct {
 	// ops, if set, holds the operator's settings that win over what agents
 	// declare, and the names reserved for provider endpoints (operator.go).
 	ops *operator
+	// forget, if set, is called (without mu held) when a registration
+	// ended, with the peer and, when no agent holds it any more, the name:
+	// state kept by peer or name elsewhere (metric series, traffic counts,
+	// the peerstore) goes with them.
+	forget func(p peer.ID, name string)
 
 	mu     sync.Mutex        // guards the following fields
 	byName map[string]*entry // agent name -> entry
@@ -88,9 +90,12 @@ type AgentInfo struct {
 	Models   []string
 	Weight   float64
 	Capacity int
-	Draining bool
-	Health   scheduler.Health
-	Dead     bool
+	Draining bool // the agent's own flag, from its join or updates
+	// Health is the health the scheduler routes on (see Registry.health):
+	// gossip's report with the join's and the operator's drain and the
+	// request path's liveness verdict.
+	Health scheduler.Health
+	Dead   bool
 }
 
 var _ transport.JoinHandler = (*Registry)(nil)
@@ -143,15 +148,10 @@ func (g *Registry) disconnected(p peer.ID) {
 }
 
 // overdue returns the peers connected for AdmitGrace or longer without
-// joining, and forgets them (and registrations that ended long ago).
+// joining, and forgets them.
 func (g *Registry) overdue(now time.Time) []peer.ID {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	for p, at := range g.leftAt {
-		if now.Sub(at) >= leaveGrace {
-			delete(g.leftAt, p)
-		}
-	}
 	var out []peer.ID
 	for p, since := range g.pending {
 		if now.Sub(since) >= AdmitGrace {
@@ -198,18 +198,17 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	e.health = g.gossipHealthLocked(p, e.health)
 	g.byName[info.Name] = e
 	g.byPeer[p] = e
-	// The scheduler is updated under mu so that concurrent joins and leaves
-	// of one name reach it in the order they took effect here.
 	if oldName != "" {
-		g.sched.Remove(oldName)
+		g.withdrawLocked(oldName)
 	}
-	g.sched.Upsert(g.endpoint(e))
-	g.sched.SetHealth(e.name, g.health(e))
+	g.publishLocked(e, true)
 	g.mu.Unlock()
 
+	if oldName != "" && g.forget != nil {
+		g.forget("", oldName)
+	}
 	g.log.Info().Str("agent", info.Name).Stringer("peer", p).Strs("models", info.Models).
 		Int("capacity", info.Capacity).Bool("draining", info.Draining).Msg("agent joined")
-	g.changed()
 	if g.onRelays != nil && len(info.Relays) > 0 {
 		g.onRelays(info.Relays)
 	}
@@ -230,15 +229,11 @@ func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
 	info.Name = e.name
 	e.info = cloneInfo(info)
 	relays := info.Relays
-	if !e.dead {
-		g.sched.Upsert(g.endpoint(e))
-		g.sched.SetHealth(e.name, g.health(e))
-	}
+	g.publishLocked(e, true)
 	g.mu.Unlock()
 
 	g.log.Info().Str("agent", info.Name).Strs("models", info.Models).Int("capacity", info.Capacity).
 		Bool("draining", info.Draining).Msg("agent updated")
-	g.changed()
 	if g.onRelays != nil && len(relays) > 0 {
 		g.onRelays(relays)
 	}
@@ -248,12 +243,14 @@ func (g *Registry) Updated(p peer.ID, info transport.JoinInfo) {
 func (g *Registry) Left(p peer.ID) {
 	g.mu.Lock()
 	e, ok := g.byPeer[p]
+	freed := false
 	if ok {
 		delete(g.byPeer, p)
 		g.leftAt[p] = time.Now()
 		if g.byName[e.name] == e {
 			delete(g.byName, e.name)
-			g.sched.Remove(e.name)
+			g.withdrawLocked(e.name)
+			freed = true
 		}
 	}
 	g.mu.Unlock()
@@ -264,7 +261,13 @@ func (g *Registry) Left(p peer.ID) {
 	if g.index != nil {
 		g.index.left(p)
 	}
-	g.changed()
+	if g.forget != nil {
+		name := ""
+		if freed {
+			name = e.name
+		}
+		g.forget(p, name)
+	}
 }
 
 // SetHealth records health news about a joined agent (from gossip or the
@@ -272,16 +275,10 @@ func (g *Registry) Left(p peer.ID) {
 // said it drains stays draining. Unknown names are ignored.
 func (g *Registry) SetHealth(name string, h scheduler.Health) {
 	g.mu.Lock()
-	e, ok := g.byName[name]
-	if ok {
+	defer g.mu.Unlock()
+	if e, ok := g.byName[name]; ok {
 		e.health = h
-		if !e.dead {
-			g.sched.SetHealth(name, g.health(e))
-		}
-	}
-	g.mu.Unlock()
-	if ok {
-		g.changed()
+		g.publishLocked(e, false)
 	}
 }
 
@@ -294,12 +291,7 @@ func (g *Registry) SetDead(name string, dead bool) {
 	changed := ok && e.dead != dead
 	if changed {
 		e.dead = dead
-		if dead {
-			g.sched.Remove(name)
-		} else {
-			g.sched.Upsert(g.endpoint(e))
-			g.sched.SetHealth(name, g.health(e))
-		}
+		g.publishLocked(e, true)
 	}
 	g.mu.Unlock()
 	if !changed {
@@ -310,7 +302,23 @@ func (g *Registry) SetDead(name string, dead bool) {
 		// Remove dropped its prefix index entries: ask for them again.
 		g.index.resync(e.peer)
 	}
-	g.changed()
+}
+
+// sweep forgets registrations that ended more than leaveGrace ago and bans
+// that ran out: what departed peers left behind.
+func (g *Registry) sweep(now time.Time) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for p, at := range g.leftAt {
+		if now.Sub(at) >= leaveGrace {
+			delete(g.leftAt, p)
+		}
+	}
+	for p, until := range g.banned {
+		if !now.Before(until) {
+			delete(g.banned, p)
+		}
+	}
 }
 
 // Peer returns the peer ID that holds agent name.
@@ -354,7 +362,7 @@ func (g *Registry) Agents() []AgentInfo {
 	for _, e := range g.byName {
 		out = append(out, AgentInfo{
 			Name: e.name, Peer: e.peer, Models: slices.Clone(e.info.Models), Weight: e.info.Weight,
-			Capacity: e.info.Capacity, Draining: e.info.Draining, Health: e.health, Dead: e.dead,
+			Capacity: e.info.Capacity, Draining: e.info.Draining, Health: g.health(e), Dead: e.dead,
 		})
 	}
 	g.mu.Unlock()
@@ -370,42 +378,112 @@ func (g *Registry) Agents() []AgentInfo {
 	return out
 }
 
-// routable counts joined agents that may take new requests.
+// routable counts the joined agents the scheduler routes to in the
+// ordinary course (scheduler.Scheduler.Routable: serving a model, neither
+// dead, disabled, draining nor suspect). It reads the scheduler's own
+// state, which the registry alone writes: the gauge, /healthz and the
+// admin API agree with the router the moment it changes its mind.
 func (g *Registry) routable() int {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	n := 0
-	for _, e := range g.byName {
-		if !e.dead && !e.info.Draining && !e.health.Draining && len(e.info.Models) > 0 {
+	for name := range g.byName {
+		if g.sched.Routable(name) {
 			n++
 		}
 	}
 	return n
 }
 
-func (g *Registry) changed() {
-	if g.onChange != nil {
-		g.onChange()
+// serving reports whether a joined agent that is neither dead nor draining
+// lists a model, suspect or not: when none does, as while agents rejoin a
+// restarted relay, a model the scheduler does not know may yet come.
+func (g *Registry) serving() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, e := range g.byName {
+		if !e.dead && !e.info.Draining && !e.health.Draining && len(e.info.Models) > 0 {
+			return true
+		}
 	}
+	return false
 }
 
-func (e *entry) endpoint() scheduler.Endpoint {
-	return scheduler.Endpoint{
+// The registry is the one writer of agent state to the scheduler: every
+// source of news about an agent (its join and updates, gossip, the request
+// path's liveness checks, the operator) changes the agent's entry, and the
+// entry is published here, under mu, so that the scheduler sees the changes
+// in the order they took effect and always the whole of them (an operator's
+// drain survives a liveness verdict, and the other way round).
+
+// publishLocked hands the scheduler agent e as it stands: out of routing
+// while dead, else its endpoint (when upsert: models, weight, capacity, the
+// operator's settings) and the health it routes on (health). Callers hold
+// g.mu.
+func (g *Registry) publishLocked(e *entry, upsert bool) {
+	if e.dead {
+		g.sched.Remove(e.name)
+		return
+	}
+	if upsert {
+		g.sched.Upsert(g.endpoint(e))
+	}
+	g.sched.SetHealth(e.name, g.health(e))
+}
+
+// withdrawLocked takes agent name out of the scheduler: its registration
+// ended or moved to another name. Callers hold g.mu.
+func (g *Registry) withdrawLocked(name string) {
+	g.sched.Remove(name)
+}
+
+// endpoint is the scheduler's view of agent e, with the operator's
+// settings applied. Called with g.mu held.
+func (g *Registry) endpoint(e *entry) scheduler.Endpoint {
+	ep := scheduler.Endpoint{
 		ID:       e.name,
 		Models:   slices.Clone(e.info.Models),
 		Weight:   e.info.Weight,
 		Capacity: e.info.Capacity,
 	}
+	st := g.ops.agent(e.name, ep.Weight)
+	ep.Weight, ep.Priority, ep.Disabled = st.weight, st.priority, st.disabled
+	return ep
 }
 
-// effectiveHealth is the health the scheduler sees: a draining join flag
-// wins over gossip that does not know of it, and so does a liveness failure
-// seen in the request path (suspect).
-func (e *entry) effectiveHealth() scheduler.Health {
+// health is the health the scheduler sees for agent e: gossip's (or the
+// agent's) report, made draining by the join's flag or the operator's
+// drain, and suspect by a liveness failure in the request path. Called with
+// g.mu held.
+func (g *Registry) health(e *entry) scheduler.Health {
 	h := e.health
 	h.Draining = h.Draining || e.info.Draining
 	h.Suspect = h.Suspect || e.unresponsive
+	if g.ops != nil && g.ops.agent(e.name, 0).draining {
+		h.Draining = true
+	}
 	return h
+}
+
+// setUnresponsive marks agent name (registered to p) suspect because of a
+// liveness failure in the request path (liveness.go), or clears the mark.
+func (g *Registry) setUnresponsive(name string, p peer.ID, on bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if e, ok := g.byName[name]; ok && e.peer == p && e.unresponsive != on {
+		e.unresponsive = on
+		g.publishLocked(e, false)
+	}
+}
+
+// reapply hands every agent's endpoint and health to the scheduler again,
+// after the operator's settings changed.
+func (g *Registry) reapply() {
+	g.mu.Lock()
+	for _, e := range g.byName {
+		g.publishLocked(e, true)
+	}
+	g.mu.Unlock()
 }
 
 func cloneInfo(info transport.JoinInfo) transport.JoinInfo {

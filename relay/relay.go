@@ -5,15 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	stdlog "log"
 	"net"
 	"net/http"
 	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/multiformats/go-multiaddr"
 	"github.com/rs/zerolog"
@@ -103,7 +104,6 @@ func New(cfg Config) (*Relay, error) {
 	r.providers = newProviderSet(r)
 	r.stats = newStatsWindow()
 	r.metrics = newMetrics(r)
-	r.reg.onChange = func() { r.metrics.updateRoutable() }
 	r.handler = http.HandlerFunc(r.serveHTTP)
 	if !cfg.Audit.Disabled {
 		r.audits = newAuditor(r)
@@ -152,7 +152,20 @@ func New(cfg Config) (*Relay, error) {
 		r.join = join
 		r.index = newIndexService(r)
 		r.reg.index = r.index
+		r.reg.forget = func(p peer.ID, name string) {
+			if name != "" {
+				r.forgetAgent(name)
+			}
+			if p != "" {
+				r.forgetPeer(p)
+			}
+		}
 		r.bgCtx, r.bgCancel = context.WithCancel(context.Background())
+		r.bgWG.Add(1)
+		go func() {
+			defer r.bgWG.Done()
+			r.housekeep()
+		}()
 		peerRelays := make(map[peer.ID]bool)
 		for _, ai := range cfg.Gossip.Relays {
 			peerRelays[ai.ID] = true
@@ -266,7 +279,7 @@ func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
 		ReadHeaderTimeout: r.cfg.ReadHeaderTimeout,
 		MaxHeaderBytes:    r.cfg.MaxHeaderBytes,
 		IdleTimeout:       2 * r.cfg.IdleTimeout,
-		ErrorLog:          stdlog.New(r.log.With().Str("source", "http").Logger(), "", 0),
+		ErrorLog:          r.serverLog("http"),
 	}
 	stopAdmin, aerr := r.serveAdmin()
 	if aerr != nil {
@@ -338,6 +351,82 @@ func (r *Relay) Close() error {
 		r.closeErr = errors.Join(errs...)
 	})
 	return r.closeErr
+}
+
+// housekeepEvery is how often the relay forgets what departed agents and
+// peers left behind.
+const housekeepEvery = 30 * time.Second
+
+// housekeep runs sweep every housekeepEvery until the relay closes.
+func (r *Relay) housekeep() {
+	t := time.NewTicker(housekeepEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-r.bgCtx.Done():
+			return
+		case now := <-t.C:
+			r.sweep(now)
+		}
+	}
+}
+
+// sweep forgets what departed agents and peers left behind: ended
+// registrations and bans (Registry.sweep), ended prefix index cut-offs, and
+// the per-agent series and counts of names no agent or provider holds
+// (those that a request or an index frame still in flight recorded after
+// its agent left).
+func (r *Relay) sweep(now time.Time) {
+	r.reg.sweep(now)
+	names := r.metrics.agentNames()
+	if r.index != nil {
+		r.index.sweep(now)
+		for _, a := range r.index.names() {
+			names[a] = true
+		}
+	}
+	for name := range names {
+		if name != "" && !r.reg.has(name) && r.providers.get(name) == nil {
+			r.forgetAgent(name)
+		}
+	}
+}
+
+// forgetAgent drops what the relay keeps by agent name once no agent holds
+// the name: its metric series and its prefix index traffic count.
+func (r *Relay) forgetAgent(name string) {
+	r.metrics.forgetAgent(name)
+	if r.index != nil {
+		r.index.forget(name)
+	}
+}
+
+// forgetPeer drops what the relay's own host keeps about peer p once p
+// holds no registration and no connection: an agent is not dialed (it
+// dials out), so its keys, protocols and addresses are of no more use, and
+// libp2p would keep them for a minute (its addresses for 15) after the
+// disconnection. Peer relays and an embedder's host are left alone. It
+// does no I/O (network notifiers call it).
+func (r *Relay) forgetPeer(p peer.ID) {
+	if !r.ownHost || r.reg.IsJoined(p) || r.isGossipRelay(p) || (r.peers != nil && r.peers.known(p)) {
+		return
+	}
+	if c := r.host.Network().Connectedness(p); c == network.Connected || c == network.Limited {
+		return
+	}
+	ps := r.host.Peerstore()
+	ps.RemovePeer(p)
+	ps.ClearAddrs(p)
+}
+
+// isGossipRelay reports whether p is one of the configured gossip relays.
+func (r *Relay) isGossipRelay(p peer.ID) bool {
+	for _, ai := range r.cfg.Gossip.Relays {
+		if ai.ID == p {
+			return true
+		}
+	}
+	return false
 }
 
 // writeAddrFile writes addrs one per line, atomically (rename), so a

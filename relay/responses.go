@@ -6,7 +6,6 @@ import (
 	"container/list"
 	"encoding/json"
 	"errors"
-	"io"
 	"net/http"
 	"slices"
 	"strings"
@@ -324,8 +323,9 @@ func validResponseID(id string) bool {
 	return id != "" && len(id) <= 256
 }
 
-// serveStoredResponse forwards GET and DELETE /v1/responses/{id}[/...] to
-// the agent holding the response.
+// serveStoredResponse serves GET and DELETE /v1/responses/{id}, GET
+// /v1/responses/{id}/input_items and POST /v1/responses/{id}/cancel through
+// the request path (proxy.go), to the agent holding the response.
 func (r *Relay) serveStoredResponse(w http.ResponseWriter, req *http.Request, rest string) {
 	id, sub, _ := strings.Cut(rest, "/")
 	allowed := "GET, DELETE"
@@ -343,89 +343,64 @@ func (r *Relay) serveStoredResponse(w http.ResponseWriter, req *http.Request, re
 		writeError(w, errMethod(req.Method, allowed))
 		return
 	}
-	if !r.auth(w, req) {
-		return
-	}
-	start := r.cfg.Clock.Now()
-	rl := &reqLog{path: pathResponses + "/{id}"}
-	err := r.forwardStored(w, req, id, rl)
-	if err != nil {
-		rl.status = writeError(w, err).Status
-		rl.err = err
-	}
-	r.reqLog.Info().Str("path", rl.path).Str("method", req.Method).Str("agent", rl.agent).
-		Int("status", rl.status).Dur("duration", r.cfg.Clock.Now().Sub(start)).AnErr("error", rl.err).Msg("request")
+	r.serveProxied(w, req, req.Method, pathResponses+"/{id}", id)
 }
 
-func (r *Relay) forwardStored(w http.ResponseWriter, req *http.Request, id string, rl *reqLog) error {
+// prepareStored finds the agent holding response id and makes it the only
+// route of the request.
+func (r *Relay) prepareStored(p *proxied, id string) error {
 	e, err := r.locateResponse(id, "")
 	if err != nil {
 		return err
 	}
-	rl.agent, rl.model = e.agent, e.model
-	upHost, _, ok := r.reg.upstream(e.agent)
-	if !ok {
-		return errResponseNotFound(id, "")
-	}
-	var body io.Reader
+	req := p.req
+	p.rl.model = e.model
 	if req.Method == http.MethodPost {
-		b, err := readBody(w, req, r.cfg.MaxBodyBytes)
-		if err != nil {
+		if p.body, err = readBody(p.w, req, r.cfg.MaxBodyBytes); err != nil {
 			return err
 		}
-		body = bytes.NewReader(b)
 	}
-	u := "http://" + upHost + req.URL.Path
-	if req.URL.RawQuery != "" {
-		u += "?" + req.URL.RawQuery
+	p.method, p.path, p.query = req.Method, req.URL.Path, req.URL.RawQuery
+	p.route = &storedRoute{r: r, id: id, agent: e.agent, delete: req.Method == http.MethodDelete}
+	return nil
+}
+
+// errOnlyHolder ends the attempts of a request about a stored response once
+// its agent failed: no other engine holds the response.
+var errOnlyHolder = errors.New("no other agent holds the response")
+
+// storedRoute is the route of a request about a stored response: one
+// attempt, to the agent that holds it. Outcomes are classified, not fed to
+// the scheduler: reading back a stored response says nothing of how fast
+// an agent answers a prompt, and takes none of its slots.
+type storedRoute struct {
+	r      *Relay
+	id     string
+	agent  string
+	delete bool // the request deletes the response
+	picked bool
+}
+
+// Pick names the holder once.
+func (s *storedRoute) Pick() (scheduler.Choice, error) {
+	if s.picked {
+		return scheduler.Choice{}, errOnlyHolder
 	}
-	up, err := http.NewRequestWithContext(req.Context(), req.Method, u, body)
-	if err != nil {
-		return err
+	s.picked = true
+	return scheduler.Choice{EndpointID: s.agent}, nil
+}
+
+// Started does nothing: there is no backlog to release.
+func (s *storedRoute) Started(scheduler.Choice) {}
+
+// Report classifies the outcome; a response deleted by its agent is
+// forgotten.
+func (s *storedRoute) Report(_ scheduler.Choice, o scheduler.Outcome) scheduler.Class {
+	cls := scheduler.Classify(o.Status, o.Err)
+	if s.delete && cls == scheduler.ClassSuccess {
+		s.r.responses.drop(s.id)
 	}
-	copyRequestHeaders(up.Header, req.Header)
-	resp, err := r.rt.RoundTrip(up)
-	if err != nil {
-		if req.Context().Err() != nil {
-			return errClientGone
-		}
-		return errBadGateway(1, err)
-	}
-	defer resp.Body.Close()
-	h := w.Header()
-	for k, vv := range resp.Header {
-		if !hopHeaders[k] {
-			h[k] = vv
-		}
-	}
-	h[HeaderAgent] = []string{e.agent}
-	rl.status = resp.StatusCode
-	if req.Method == http.MethodDelete && resp.StatusCode/100 == 2 {
-		r.responses.drop(id)
-	}
-	w.WriteHeader(resp.StatusCode)
-	// Each write is bounded by the idle timeout, as an inference answer's
-	// are: a client that stops reading must not hold the handler and the
-	// agent's stream for good.
-	cp := streamCopier{w: w, rc: http.NewResponseController(w), flush: true, idle: r.cfg.IdleTimeout, clock: r.cfg.Clock}
-	defer cp.clearDeadline()
-	bp := bufPool.Get().(*[]byte)
-	defer bufPool.Put(bp)
-	for {
-		n, rerr := resp.Body.Read(*bp)
-		if n > 0 {
-			if werr := cp.write((*bp)[:n]); werr != nil {
-				rl.err = werr
-				return nil
-			}
-		}
-		if rerr != nil {
-			if !errors.Is(rerr, io.EOF) {
-				rl.err = rerr
-			}
-			return nil
-		}
-	}
+	return cls
 }
 
 // streamErrorEventFor is the event that ends a stream broken after its
@@ -433,10 +408,10 @@ func (r *Relay) forwardStored(w http.ResponseWriter, req *http.Request, id strin
 // "error" event, Anthropic's "error" event, or OpenAI's chat error chunk.
 func streamErrorEventFor(path, msg, code string) []byte {
 	var b []byte
-	switch path {
-	case pathResponses:
+	switch {
+	case path == pathResponses || strings.HasPrefix(path, pathResponses+"/"):
 		b, _ = json.Marshal(map[string]any{"type": "error", "code": code, "message": msg, "param": nil})
-	case pathMessages:
+	case path == pathMessages:
 		b, _ = json.Marshal(map[string]any{"type": "error", "error": map[string]string{"type": "api_error", "message": msg}})
 	default:
 		return streamErrorEvent(msg, code)

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -305,4 +306,78 @@ func TestStoredResponseClientNotReadingIsCut(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("the relay still holds the stored response for a client that stopped reading")
 	}
+}
+
+// Requests about a stored response take the request path every request
+// takes: the per-key limits count them, the request metrics and log line
+// record them, and the first-byte watchdog bounds their wait.
+func TestStoredResponsesTakeTheRequestPath(t *testing.T) {
+	tb := newTestbed(t, nil, func(c *Config) {
+		c.KeyRPM = 3
+		c.TTFBTimeout = 300 * time.Millisecond
+	})
+	var n atomic.Int64
+	var stall atomic.Bool
+	e := tb.addAgent("a", []string{"m1"})
+	if err := tb.relay.Registry().Joined(tb.peers["a"], transport.JoinInfo{Name: "a", Models: []string{"m1"}, APIs: []string{pathResponses}}); err != nil {
+		t.Fatal(err)
+	}
+	e.set(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "application/json")
+		if r.Method == http.MethodPost {
+			fmt.Fprintf(w, `{"id":"resp_a_%d","object":"response","status":"completed"}`, n.Add(1))
+			return
+		}
+		if stall.Load() {
+			select { // no byte before the relay's first-byte bound
+			case <-r.Context().Done():
+			case <-time.After(10 * time.Second):
+			}
+			return
+		}
+		fmt.Fprintf(w, `{"id":%q,"object":"response","status":"completed"}`, strings.TrimPrefix(r.URL.Path, "/v1/responses/"))
+	})
+	id, _ := responseID(t, tb.do("POST", "/v1/responses", `{"model":"m1","input":"hi"}`)) // 1 of the key's 3 a minute
+	before := metricValue(t, tb, `computeflux_requests_total{agent="a",status="200"}`)
+	resp := tb.do("GET", "/v1/responses/"+id, "") // 2 of 3
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET: %d", resp.StatusCode)
+	}
+	if got := metricValue(t, tb, `computeflux_requests_total{agent="a",status="200"}`); got != before+1 {
+		t.Fatalf("requests_total{a,200} went from %v to %v over a stored GET, want +1", before, got)
+	}
+
+	stall.Store(true)
+	start := time.Now()
+	resp = tb.do("GET", "/v1/responses/"+id, "") // 3 of 3
+	resp.Body.Close()
+	if took := time.Since(start); resp.StatusCode != http.StatusBadGateway || took > 5*time.Second {
+		t.Fatalf("GET of a stalled agent: %d after %v, want 502 at the first-byte bound", resp.StatusCode, took)
+	}
+	stall.Store(false)
+	if e := apiError(t, tb.do("GET", "/v1/responses/"+id, "")); e.Code != "rate_limit_exceeded" {
+		t.Fatalf("a fourth request in the minute: %+v, want the key's rate limit", e)
+	}
+	if !strings.Contains(tb.logs.String(), `"method":"GET","path":"/v1/responses/{id}"`) {
+		t.Fatalf("no request line for the stored GET in the log:\n%s", tb.logs.String())
+	}
+}
+
+// metricValue reads one series of the relay's /metrics (0 when absent).
+func metricValue(t *testing.T, tb *testbed, series string) float64 {
+	t.Helper()
+	resp := tb.do("GET", "/metrics", "")
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	for line := range strings.Lines(string(b)) {
+		if rest, ok := strings.CutPrefix(line, series+" "); ok {
+			v, err := strconv.ParseFloat(strings.TrimSpace(rest), 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return v
+		}
+	}
+	return 0
 }

@@ -3,6 +3,8 @@ package scheduler
 import (
 	"sync"
 	"time"
+
+	"github.com/computeflux/computeflux/scheduler/slab"
 )
 
 // Session bindings shared between schedulers (relays). Each scheduler
@@ -66,7 +68,7 @@ type BindingTable struct {
 	mu    sync.Mutex // guards the following fields
 	m     map[string]int32
 	nodes []bindNode // by slot of list, which is in order of last touch
-	list  slabList
+	list  slab.List
 	names map[string]string // interned endpoint IDs
 }
 
@@ -89,7 +91,7 @@ func NewBindingTable(ttl time.Duration, max int) *BindingTable {
 		max = 1_000_000
 	}
 	return &BindingTable{ttl: int64(ttl), max: max, refresh: int64(ttl) / 10,
-		m: make(map[string]int32), list: newSlabList(), names: make(map[string]string)}
+		m: make(map[string]int32), list: slab.New(), names: make(map[string]string)}
 }
 
 // Len returns the number of sessions held, expired ones not yet dropped
@@ -112,7 +114,7 @@ func (t *BindingTable) Local(key, endpoint string, now time.Time) (Binding, bool
 	i, n := t.node(key)
 	if n != nil && n.b.Endpoint == endpoint && ns-n.b.Last < t.ttl {
 		n.b.Last = max(n.b.Last, ns)
-		t.list.touch(i)
+		t.list.Touch(i)
 		if ns-n.sent < t.refresh {
 			return n.b, false
 		}
@@ -123,7 +125,7 @@ func (t *BindingTable) Local(key, endpoint string, now time.Time) (Binding, bool
 	if n != nil {
 		b.Gen = n.b.Gen + 1
 		n.b, n.sent = b, ns
-		t.list.touch(i)
+		t.list.Touch(i)
 		return b, true
 	}
 	t.insert(bindNode{b: b, sent: ns})
@@ -163,7 +165,7 @@ func (t *BindingTable) Merge(b Binding, now time.Time) bool {
 	default:
 		return false
 	}
-	t.list.touch(i)
+	t.list.Touch(i)
 	return true
 }
 
@@ -185,7 +187,7 @@ func (t *BindingTable) Live(now time.Time, limit int) []Binding {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	var out []Binding
-	for i := t.list.head; i >= 0 && (limit <= 0 || len(out) < limit); i = t.list.links[i].next {
+	for i := t.list.Head(); i >= 0 && (limit <= 0 || len(out) < limit); i = t.list.Next(i) {
 		if n := &t.nodes[i]; ns-n.b.Last < t.ttl {
 			out = append(out, n.b)
 		}
@@ -198,8 +200,8 @@ func (t *BindingTable) Live(now time.Time, limit int) []Binding {
 // carry a peer's Last), so a binding out of order expires a little late,
 // never early: Lookup checks the TTL itself.
 func (t *BindingTable) purge(ns int64) {
-	for i := 0; i < maxPurge && t.list.tail >= 0 && ns-t.nodes[t.list.tail].b.Last >= t.ttl; i++ {
-		t.remove(t.list.tail)
+	for i := 0; i < maxPurge && t.list.Tail() >= 0 && ns-t.nodes[t.list.Tail()].b.Last >= t.ttl; i++ {
+		t.remove(t.list.Tail())
 	}
 }
 
@@ -213,10 +215,10 @@ func (t *BindingTable) node(key string) (int32, *bindNode) {
 }
 
 func (t *BindingTable) insert(n bindNode) {
-	for len(t.m) >= t.max && t.list.tail >= 0 {
-		t.remove(t.list.tail)
+	for len(t.m) >= t.max && t.list.Tail() >= 0 {
+		t.remove(t.list.Tail())
 	}
-	i, grew := t.list.alloc()
+	i, grew := t.list.Alloc()
 	if grew {
 		t.nodes = append(t.nodes, n)
 	} else {
@@ -226,7 +228,7 @@ func (t *BindingTable) insert(n bindNode) {
 }
 
 func (t *BindingTable) remove(i int32) {
-	t.list.release(i)
+	t.list.Release(i)
 	delete(t.m, t.nodes[i].b.Key)
 	t.nodes[i] = bindNode{}
 	if len(t.m) == 0 {

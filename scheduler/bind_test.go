@@ -204,7 +204,7 @@ func TestSchedulerBindExpiryOrder(t *testing.T) {
 	}
 	var order []string
 	prev := int64(1 << 62)
-	for i := s.sessions.list.head; i >= 0; i = s.sessions.list.links[i].next {
+	for i := s.sessions.list.Head(); i >= 0; i = s.sessions.list.Next(i) {
 		en := s.sessions.ents[i]
 		order = append(order, en.key)
 		if en.last > prev {

@@ -321,6 +321,12 @@ func normalizeHealth(h Health) Health {
 	return h
 }
 
+// routable reports whether e serves a model and is neither disabled,
+// draining nor suspect (see Scheduler.Routable).
+func (e *endpoint) routable() bool {
+	return len(e.models) > 0 && !e.disabled && !e.removed && !e.health.Draining && !e.health.Suspect
+}
+
 // plain reports whether e takes a request with no further check: enabled,
 // not removed or draining, a free slot, no key limits.
 func (e *endpoint) plain() bool {

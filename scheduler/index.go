@@ -43,9 +43,12 @@ type holderSet struct {
 	gen     uint64   // tells a reused id from the set it held before
 }
 
+// setRef is a cached transition's result, valid while both sets are
+// the ones it was made with: ids are reused once a set is freed.
 type setRef struct {
-	id  uint32
-	gen uint64
+	id      uint32
+	gen     uint64 // the resulting set's gen
+	fromGen uint64 // the gen of the set it started from
 }
 
 // maxTransitions bounds the transition cache.
@@ -157,7 +160,7 @@ func (p *prefixIndex) transition(id uint32, slot uint16, add bool) (uint32, bool
 		k |= 1
 	}
 	t, ok := p.trans[k]
-	if !ok || p.sets[t.id].refs <= 0 || p.sets[t.id].gen != t.gen {
+	if !ok || p.sets[id].gen != t.fromGen || p.sets[t.id].refs <= 0 || p.sets[t.id].gen != t.gen {
 		return 0, false
 	}
 	p.sets[t.id].refs++
@@ -172,7 +175,7 @@ func (p *prefixIndex) remember(id uint32, slot uint16, add bool, to uint32) {
 	if add {
 		k |= 1
 	}
-	p.trans[k] = setRef{id: to, gen: p.sets[to].gen}
+	p.trans[k] = setRef{id: to, gen: p.sets[to].gen, fromGen: p.sets[id].gen}
 }
 
 // internSet returns the id of the set with members m (copied if new), with
@@ -263,12 +266,11 @@ func (p *prefixIndex) remove(x *epIndex, h uint64) {
 	if !found {
 		return
 	}
-	switch nid, ok := p.transition(old, x.slot, false); {
-	case len(m) == 1:
+	if len(m) == 1 {
 		delete(p.blocks, h)
-	case ok:
+	} else if nid, ok := p.transition(old, x.slot, false); ok {
 		p.blocks[h] = nid
-	default:
+	} else {
 		p.scratch = append(append(p.scratch[:0], m[:i]...), m[i+1:]...)
 		nid = p.internSet(p.scratch)
 		p.remember(old, x.slot, false, nid)

@@ -264,3 +264,24 @@ func BenchmarkIndexMemory(b *testing.B) {
 		runtime.KeepAlive(s)
 	}
 }
+
+// TestIndexTransitionAfterSetReuse: a cached transition belongs to the set
+// it started from, not to its id. Here b's block moves a set from {a} to
+// {a, b}, the set {a} is freed, its id goes to c's new set {c}, and b then
+// publishes c's block: the block is held by b and c, not by a and b.
+func TestIndexTransitionAfterSetReuse(t *testing.T) {
+	s, _ := newTest(t, Config{}, ep("a"), ep("b"), ep("c"))
+	s.IndexApply("a", []uint64{1}, nil)
+	s.IndexApply("b", []uint64{1}, nil)
+	s.IndexApply("c", []uint64{2}, nil)
+	s.IndexApply("b", []uint64{2}, nil)
+	s.mu.Lock()
+	var holders []string
+	for _, sl := range s.index.sets[s.index.blocks[2]].members {
+		holders = append(holders, s.index.slots[sl].id)
+	}
+	s.mu.Unlock()
+	if !slices.Equal(holders, []string{"b", "c"}) {
+		t.Fatalf("block 2 held by %v, want [b c]", holders)
+	}
+}

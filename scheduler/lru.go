@@ -1,5 +1,7 @@
 package scheduler
 
+import "github.com/computeflux/computeflux/scheduler/slab"
+
 // BlockLRU is an agent's picture of what its engine holds: a bounded LRU set
 // of block hashes (see PromptBlocks). Chains are touched tail first, so a
 // chain's first block is its most recent and its last block is evicted
@@ -10,7 +12,7 @@ type BlockLRU struct {
 	initial  int // capacity as configured; Correct adapts within bounds of it
 	index    map[uint64]int32
 	hashes   []uint64 // by slot of list
-	list     slabList
+	list     slab.List
 }
 
 // NoPrediction is the prediction to give Correct for a request whose Insert
@@ -23,7 +25,7 @@ func NewBlockLRU(capacity int) *BlockLRU {
 	capacity = max(capacity, 1)
 	return &BlockLRU{
 		capacity: capacity, initial: capacity,
-		index: make(map[uint64]int32), list: newSlabList(),
+		index: make(map[uint64]int32), list: slab.New(),
 	}
 }
 
@@ -53,7 +55,7 @@ func (l *BlockLRU) Lookup(chain []uint64) int {
 // Insert records that the engine now holds chain: held blocks are touched,
 // new ones added, and the chain's head becomes the most recent. It appends
 // the newly added hashes to added and the hashes evicted to make room to
-// evicted. A chain longer than the capacity keeps its head. It returns held,
+// evicted (never the same hash to both). A chain longer than the capacity keeps its head. It returns held,
 // how many leading blocks of chain were held before: the prediction the
 // request's Correct compares the engine's answer with. The caller keeps it
 // with the request, so that any number of requests may be in flight
@@ -66,16 +68,31 @@ func (l *BlockLRU) Insert(chain []uint64, added, evicted []uint64) (held int, ad
 	if len(chain) > l.capacity {
 		chain = chain[:l.capacity]
 	}
+	// The chain's held blocks first: making room for its new blocks then
+	// never evicts one of them only to add it back, so added and evicted
+	// are exactly what changed (disjoint), and may be published as one
+	// delta.
+	fresh := false
+	for i := len(chain) - 1; i >= 0; i-- {
+		if n, ok := l.index[chain[i]]; ok {
+			l.list.Touch(n)
+		} else {
+			fresh = true
+		}
+	}
+	if !fresh {
+		return held, added, evicted
+	}
 	// Tail first, so the head ends most recent.
 	for i := len(chain) - 1; i >= 0; i-- {
 		h := chain[i]
 		if n, ok := l.index[h]; ok {
-			l.list.touch(n)
+			l.list.Touch(n)
 			continue
 		}
-		for len(l.index) >= l.capacity && l.list.tail >= 0 {
-			evicted = append(evicted, l.hashes[l.list.tail])
-			l.remove(l.list.tail)
+		for len(l.index) >= l.capacity && l.list.Tail() >= 0 {
+			evicted = append(evicted, l.hashes[l.list.Tail()])
+			l.remove(l.list.Tail())
 		}
 		l.add(h)
 		added = append(added, h)
@@ -119,9 +136,9 @@ func (l *BlockLRU) Correct(chain []uint64, predicted, cachedBlocks int, dropped 
 	case d > 1:
 		l.capacity = min(l.capacity+d, 4*l.initial)
 	}
-	for len(l.index) > l.capacity && l.list.tail >= 0 {
-		dropped = append(dropped, l.hashes[l.list.tail])
-		l.remove(l.list.tail)
+	for len(l.index) > l.capacity && l.list.Tail() >= 0 {
+		dropped = append(dropped, l.hashes[l.list.Tail()])
+		l.remove(l.list.Tail())
 	}
 	return dropped
 }
@@ -131,23 +148,23 @@ func (l *BlockLRU) Correct(chain []uint64, predicted, cachedBlocks int, dropped 
 func (l *BlockLRU) SetCapacity(n int, evicted []uint64) []uint64 {
 	n = max(n, 1)
 	l.capacity, l.initial = n, n
-	for len(l.index) > l.capacity && l.list.tail >= 0 {
-		evicted = append(evicted, l.hashes[l.list.tail])
-		l.remove(l.list.tail)
+	for len(l.index) > l.capacity && l.list.Tail() >= 0 {
+		evicted = append(evicted, l.hashes[l.list.Tail()])
+		l.remove(l.list.Tail())
 	}
 	return evicted
 }
 
 // Snapshot appends every held hash to dst, most recent first.
 func (l *BlockLRU) Snapshot(dst []uint64) []uint64 {
-	for n := l.list.head; n >= 0; n = l.list.links[n].next {
+	for n := l.list.Head(); n >= 0; n = l.list.Next(n) {
 		dst = append(dst, l.hashes[n])
 	}
 	return dst
 }
 
 func (l *BlockLRU) add(h uint64) {
-	n, grew := l.list.alloc()
+	n, grew := l.list.Alloc()
 	if grew {
 		l.hashes = append(l.hashes, h)
 	} else {
@@ -157,7 +174,7 @@ func (l *BlockLRU) add(h uint64) {
 }
 
 func (l *BlockLRU) remove(n int32) {
-	l.list.release(n)
+	l.list.Release(n)
 	delete(l.index, l.hashes[n])
 	l.hashes[n] = 0
 }

@@ -242,6 +242,17 @@ func (s *Scheduler) Models() []string {
 	return out
 }
 
+// Routable reports whether endpoint id is registered and in ordinary
+// service: it serves a model and is neither disabled, draining nor suspect,
+// so Pick considers it without falling back. Its breaker and free slots are
+// not considered: they change request by request.
+func (s *Scheduler) Routable(id string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.endpoints[id]
+	return e != nil && e.routable()
+}
+
 // Sessions returns the number of session mappings held, including expired
 // ones not yet purged.
 func (s *Scheduler) Sessions() int {

@@ -1,5 +1,7 @@
 package scheduler
 
+import "github.com/computeflux/computeflux/scheduler/slab"
+
 // sessionTable maps session keys to the endpoint that last served them
 // successfully. It is an LRU list ordered by last success, which is also
 // expiry order, so expired entries are always at the tail. Entries live in
@@ -10,7 +12,7 @@ type sessionTable struct {
 	max   int
 	index map[string]int32
 	ents  []sessionEntry // by slot of list
-	list  slabList
+	list  slab.List
 }
 
 type sessionEntry struct {
@@ -24,7 +26,7 @@ type sessionEntry struct {
 const maxPurge = 64
 
 func newSessionTable(ttl int64, max int) *sessionTable {
-	return &sessionTable{ttl: ttl, max: max, index: make(map[string]int32), list: newSlabList()}
+	return &sessionTable{ttl: ttl, max: max, index: make(map[string]int32), list: slab.New()}
 }
 
 func (t *sessionTable) len() int { return len(t.index) }
@@ -59,14 +61,14 @@ func (t *sessionTable) touch(key string, ep *endpoint, now int64) {
 		}
 		en.ep = ep
 		en.last = now
-		t.list.touch(i)
+		t.list.Touch(i)
 	} else {
 		t.purge(now)
-		for len(t.index) >= t.max && t.list.tail >= 0 {
-			t.delete(t.list.tail)
+		for len(t.index) >= t.max && t.list.Tail() >= 0 {
+			t.delete(t.list.Tail())
 		}
 		var grew bool
-		i, grew = t.list.alloc()
+		i, grew = t.list.Alloc()
 		if grew {
 			t.ents = append(t.ents, sessionEntry{key: key, ep: ep, last: now})
 		} else {
@@ -75,7 +77,7 @@ func (t *sessionTable) touch(key string, ep *endpoint, now int64) {
 		ep.sessions++
 		t.index[key] = i
 	}
-	if next := t.list.links[i].next; next >= 0 && t.ents[next].last > now {
+	if next := t.list.Next(i); next >= 0 && t.ents[next].last > now {
 		t.place(i, next) // out of order; in order is the common case, a local success
 	}
 }
@@ -89,21 +91,21 @@ func (t *sessionTable) touch(key string, ep *endpoint, now int64) {
 func (t *sessionTable) place(i, next int32) {
 	last := t.ents[i].last
 	p := next // the entry i goes behind: the last one with a later success
-	if tail := t.list.tail; last-t.ents[tail].last < t.ents[next].last-last {
+	if tail := t.list.Tail(); last-t.ents[tail].last < t.ents[next].last-last {
 		p = tail
 		for n := 0; n < maxPurge && p != next && t.ents[p].last <= last; n++ {
-			p = t.list.links[p].prev
+			p = t.list.Prev(p)
 		}
 	} else {
 		for n := 0; n < maxPurge; n++ {
-			q := t.list.links[p].next
+			q := t.list.Next(p)
 			if q < 0 || t.ents[q].last <= last {
 				break
 			}
 			p = q
 		}
 	}
-	t.list.moveAfter(i, p)
+	t.list.MoveAfter(i, p)
 }
 
 // evictIf forgets key if it maps to ep.
@@ -115,17 +117,17 @@ func (t *sessionTable) evictIf(key string, ep *endpoint) {
 
 // purge drops up to maxPurge expired entries from the tail.
 func (t *sessionTable) purge(now int64) {
-	for n := 0; n < maxPurge && t.list.tail >= 0; n++ {
-		en := &t.ents[t.list.tail]
+	for n := 0; n < maxPurge && t.list.Tail() >= 0; n++ {
+		en := &t.ents[t.list.Tail()]
 		if now-en.last < t.ttl && !en.ep.removed {
 			return
 		}
-		t.delete(t.list.tail)
+		t.delete(t.list.Tail())
 	}
 }
 
 func (t *sessionTable) delete(i int32) {
-	t.list.release(i)
+	t.list.Release(i)
 	t.ents[i].ep.sessions--
 	delete(t.index, t.ents[i].key)
 	t.ents[i] = sessionEntry{}

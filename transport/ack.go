@@ -28,18 +28,38 @@ const AckStatus = http.StatusProcessing
 // 250 ms), so a silent peer is found as early as before.
 const AckDelay = 10 * time.Millisecond
 
-// WithAck returns a context for an outgoing request on which onAck is called
-// (from the transport's reader goroutine, so it must not block) when the
-// server's AckStatus arrives. Other informational responses are ignored.
-func WithAck(ctx context.Context, onAck func()) context.Context {
-	return httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+// WithAck returns a context for an outgoing request on which onSent is
+// called once the request is written, and onAck (from the transport's
+// reader goroutine, so it must not block; possibly more than once) as soon
+// as the first byte of the server's answer arrives, AckStatus or the
+// response itself: the head need not be whole for the peer to have shown
+// it holds the request. A bound on the ack starts at onSent: a request that
+// waited for a stream (see NewRoundTripper) was not the server's to
+// acknowledge meanwhile. A nil onSent is not called.
+func WithAck(ctx context.Context, onSent, onAck func()) context.Context {
+	trace := &httptrace.ClientTrace{
+		GotFirstResponseByte: onAck,
 		Got1xxResponse: func(code int, _ textproto.MIMEHeader) error {
 			if code == AckStatus {
 				onAck()
 			}
 			return nil
 		},
-	})
+	}
+	if onSent != nil {
+		trace.WroteRequest = func(httptrace.WroteRequestInfo) { onSent() }
+	}
+	return httptrace.WithClientTrace(ctx, trace)
+}
+
+type readProgressKey struct{}
+
+// WithReadProgress returns a context on which NewRoundTripper's transport
+// calls onRead (from the reader's goroutine, so it must not block) each
+// time bytes of the response body arrive: a sign of life from the peer
+// that costs it nothing.
+func WithReadProgress(ctx context.Context, onRead func()) context.Context {
+	return context.WithValue(ctx, readProgressKey{}, onRead)
 }
 
 // ackWriter is the http.ResponseWriter a handler of ServeHTTP gets: it sends

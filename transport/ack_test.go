@@ -27,7 +27,7 @@ func ackRequest(t *testing.T, client *http.Client, url string) (acked bool, body
 func ackRequestHeader(t *testing.T, client *http.Client, url string) (acked bool, body string, h http.Header) {
 	t.Helper()
 	var got atomic.Bool
-	ctx := WithAck(context.Background(), func() { got.Store(true) })
+	ctx := ackTrace(context.Background(), &got)
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(`{"a":1}`))
 	resp, err := client.Do(req)
 	if err != nil {
@@ -39,6 +39,51 @@ func ackRequestHeader(t *testing.T, client *http.Client, url string) (acked bool
 		t.Fatal(err)
 	}
 	return got.Load(), string(b), resp.Header
+}
+
+// ackTrace returns a context on which an AckStatus sets got.
+func ackTrace(ctx context.Context, got *atomic.Bool) context.Context {
+	return httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		Got1xxResponse: func(code int, _ textproto.MIMEHeader) error {
+			if code == AckStatus {
+				got.Store(true)
+			}
+			return nil
+		},
+	})
+}
+
+// TestWithAck: onSent comes once the request is written, then onAck with
+// the answer's first byte, an AckStatus or the response itself.
+func TestWithAck(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/slow" {
+			time.Sleep(5 * AckDelay)
+		}
+		io.WriteString(w, "answer")
+	}), cli.ID())
+	client := &http.Client{Transport: NewRoundTripper(cli)}
+	for _, path := range []string{"/fast", "/slow"} {
+		var sent, acked atomic.Int32
+		ctx := WithAck(context.Background(), func() { sent.Add(1) }, func() {
+			if sent.Load() == 0 {
+				t.Errorf("%s: acknowledged before the request was sent", path)
+			}
+			acked.Add(1)
+		})
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+srv.ID().String()+path, strings.NewReader("x"))
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if sent.Load() != 1 || acked.Load() == 0 {
+			t.Errorf("%s: sent reported %d times, acknowledged %d", path, sent.Load(), acked.Load())
+		}
+	}
 }
 
 func TestAckOnlyForSlowAnswers(t *testing.T) {
@@ -101,7 +146,7 @@ func TestAckWhileHandlerSetsHeaders(t *testing.T) {
 	client := &http.Client{Transport: NewRoundTripper(cli)}
 	for i := 0; i < 3; i++ {
 		var got atomic.Bool
-		ctx := WithAck(context.Background(), func() { got.Store(true) })
+		ctx := ackTrace(context.Background(), &got)
 		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+srv.ID().String()+"/h", strings.NewReader("x"))
 		resp, err := client.Do(req)
 		if err != nil {

@@ -5,8 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log"
+	"reflect"
 	"sync"
+	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/hashicorp/memberlist"
 	"github.com/libp2p/go-libp2p/core/host"
@@ -233,9 +236,13 @@ type Gossip struct {
 	probeInterval                   time.Duration
 
 	guard *gossipGuard
+	// sweepEvery is how often sweep runs, and queueSlack what it leaves in
+	// memberlist's broadcast queue beyond one message per member:
+	// gossipSweepEvery and gossipQueueSlack (tests lower them).
+	sweepEvery, queueSlack atomic.Int64
 
-	mu        sync.Mutex           // guards the following fields
-	banned    map[peer.ID]struct{} // caught forging: no longer admitted
+	mu        sync.Mutex            // guards the following fields
+	banned    map[peer.ID]time.Time // caught forging: not admitted until then
 	members   map[peer.ID]*gossipEntry
 	incarn    map[peer.ID]uint32    // latest incarnation seen in an alive message
 	leftSeen  map[peer.ID]time.Time // a dead message sent by the member itself
@@ -272,7 +279,7 @@ func NewGossip(cfg GossipConfig) (*Gossip, error) {
 		members:  make(map[peer.ID]*gossipEntry),
 		incarn:   make(map[peer.ID]uint32),
 		leftSeen: make(map[peer.ID]time.Time),
-		banned:   make(map[peer.ID]struct{}),
+		banned:   make(map[peer.ID]time.Time),
 		wake:     make(chan struct{}, 1),
 		metaNow:  make(chan struct{}, 1),
 		done:     make(chan struct{}),
@@ -283,6 +290,8 @@ func NewGossip(cfg GossipConfig) (*Gossip, error) {
 	}
 	g.suspicionMult, g.suspicionMaxMult, g.probeInterval = mlc.SuspicionMult, mlc.SuspicionMaxTimeoutMult, mlc.ProbeInterval
 	g.guard = newGossipGuard(g.self, cfg.Trusted)
+	g.sweepEvery.Store(int64(gossipSweepEvery))
+	g.queueSlack.Store(gossipQueueSlack)
 	admit := func(p peer.ID) bool {
 		if g.isBanned(p) {
 			return false
@@ -338,20 +347,28 @@ func NewGossip(cfg GossipConfig) (*Gossip, error) {
 	return g, nil
 }
 
-// isBanned reports whether p was caught forging.
+// gossipBan is how long a member caught forging is not admitted. It holds
+// what admits it (a relay's join secret; an agent's relay's word), so it
+// can come back under a new peer ID anyway; the ban ends so that the bans
+// of departed forgers do not pile up.
+const gossipBan = time.Hour
+
+// isBanned reports whether p was caught forging and is still cut off.
 func (g *Gossip) isBanned(p peer.ID) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	_, ok := g.banned[p]
-	return ok
+	until, ok := g.banned[p]
+	return ok && time.Now().Before(until)
 }
 
 // forgedBy cuts off a member caught forging: it is no longer admitted (its
 // packet stream was reset by the transport), and OnForged is told.
 func (g *Gossip) forgedBy(p peer.ID, reason string) {
+	now := time.Now()
 	g.mu.Lock()
-	_, again := g.banned[p]
-	g.banned[p] = struct{}{}
+	until, again := g.banned[p]
+	again = again && now.Before(until)
+	g.banned[p] = now.Add(gossipBan)
 	g.mu.Unlock()
 	if again {
 		return
@@ -364,11 +381,14 @@ func (g *Gossip) forgedBy(p peer.ID, reason string) {
 
 // Banned returns the members cut off for forged gossip.
 func (g *Gossip) Banned() []peer.ID {
+	now := time.Now()
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	out := make([]peer.ID, 0, len(g.banned))
-	for p := range g.banned {
-		out = append(out, p)
+	for p, until := range g.banned {
+		if now.Before(until) {
+			out = append(out, p)
+		}
 	}
 	return out
 }
@@ -500,13 +520,18 @@ func (g *Gossip) dispatch() {
 	defer g.wg.Done()
 	tick := time.NewTicker(250 * time.Millisecond)
 	defer tick.Stop()
+	swept := time.Now()
 	for {
 		select {
 		case <-g.done:
 			return
 		case <-g.wake:
-		case <-tick.C:
-			g.expireSuspicion(time.Now())
+		case now := <-tick.C:
+			g.expireSuspicion(now)
+			if now.Sub(swept) >= time.Duration(g.sweepEvery.Load()) {
+				swept = now
+				g.sweep(now)
+			}
 		}
 		g.mu.Lock()
 		q := g.queue
@@ -516,6 +541,72 @@ func (g *Gossip) dispatch() {
 			g.cfg.OnEvent(ev)
 		}
 	}
+}
+
+// gossipSweepEvery is how often Gossip forgets what it keeps about peers
+// that are not members (sweep).
+const gossipSweepEvery = 30 * time.Second
+
+// sweep forgets what Gossip, its guard and its transport keep about peers
+// that are no longer members: a departed member's state goes at its
+// NotifyLeave (forget); this catches what was recorded about peers that
+// never became members, or after they left, and bans that ended.
+func (g *Gossip) sweep(now time.Time) {
+	g.mu.Lock()
+	members := make(map[peer.ID]bool, len(g.members))
+	for p := range g.members {
+		members[p] = true
+	}
+	for p := range g.incarn {
+		if !members[p] {
+			delete(g.incarn, p)
+		}
+	}
+	for p := range g.leftSeen {
+		if !members[p] {
+			delete(g.leftSeen, p)
+		}
+	}
+	for p, until := range g.banned {
+		if !now.Before(until) {
+			delete(g.banned, p)
+		}
+	}
+	g.mu.Unlock()
+	keep := func(p peer.ID) bool { return members[p] || p == g.self }
+	g.guard.keepOnly(keep)
+	g.tr.keepOnly(keep)
+	if q := broadcastQueue(g.ml); q != nil {
+		q.Prune(len(members) + int(g.queueSlack.Load()))
+	}
+}
+
+// gossipQueueSlack is how many broadcasts beyond one per member memberlist
+// may keep queued (see sweep).
+const gossipQueueSlack = 64
+
+// broadcastQueue returns memberlist's queue of broadcasts about members,
+// or nil if this memberlist keeps it otherwise (a test checks that it does
+// not). Memberlist keeps a member's last alive or dead message there until
+// it has been sent to enough members: under churn faster than gossip
+// drains it, or with no member left to send to, the messages of departed
+// members pile up, one per departure, and memberlist offers no bound. sweep
+// prunes it (memberlist's own Prune, oldest and most sent first) to one
+// message per member and some slack: a member that misses the news of an
+// old departure learns it from its own probes or the next push/pull.
+func broadcastQueue(ml *memberlist.Memberlist) *memberlist.TransmitLimitedQueue {
+	f := reflect.ValueOf(ml).Elem().FieldByName("broadcasts")
+	if !f.IsValid() || f.Type() != reflect.TypeFor[*memberlist.TransmitLimitedQueue]() || f.IsNil() {
+		return nil
+	}
+	return (*memberlist.TransmitLimitedQueue)(unsafe.Pointer(f.Pointer()))
+}
+
+// forget drops what Gossip's guard and transport keep about p, a member
+// that left (Gossip's own tables drop it in NotifyLeave).
+func (g *Gossip) forget(p peer.ID) {
+	g.guard.forget(p)
+	g.tr.forget(p)
 }
 
 // expireSuspicion clears suspicion that memberlist must have resolved by
@@ -625,6 +716,9 @@ func (d gossipDelegate) NotifyLeave(n *memberlist.Node) {
 	delete(d.g.leftSeen, p)
 	delete(d.g.incarn, p)
 	d.g.record(ev)
+	// Memberlist holds its lock: the guard's and the transport's are
+	// taken after it, never before.
+	d.g.forget(p)
 }
 
 // memberlistLogWriter turns memberlist's "[LEVEL] memberlist: text" lines

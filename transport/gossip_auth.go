@@ -90,11 +90,14 @@ type gossipGuard struct {
 	self    peer.ID
 	trusted map[peer.ID]bool
 
-	mu      sync.Mutex         // guards the following fields
-	known   map[peer.ID]uint32 // highest incarnation announced per member
+	mu sync.Mutex // guards the following fields
+	// known is the highest incarnation announced per member; a member's
+	// entry goes when it leaves (forget) or is no member (keepOnly).
+	known   map[peer.ID]uint32
 	selfInc uint32
 	// fwd is the last incarnation of our own alive (and leave) forwarded to
-	// each trusted member.
+	// each trusted member: keyed by trusted members only, so bounded by
+	// the Trusted list, which is fixed.
 	fwdAlive, fwdDead map[peer.ID]uint32
 }
 
@@ -112,6 +115,25 @@ func newGossipGuard(self peer.ID, trusted []peer.ID) *gossipGuard {
 		}
 	}
 	return gd
+}
+
+// forget drops what the guard knows of member p, which left.
+func (gd *gossipGuard) forget(p peer.ID) {
+	gd.mu.Lock()
+	delete(gd.known, p)
+	gd.mu.Unlock()
+}
+
+// keepOnly drops what the guard knows of the peers keep rejects (no longer
+// members).
+func (gd *gossipGuard) keepOnly(keep func(peer.ID) bool) {
+	gd.mu.Lock()
+	defer gd.mu.Unlock()
+	for p := range gd.known {
+		if !keep(p) {
+			delete(gd.known, p)
+		}
+	}
 }
 
 // isTrusted reports whether p's claims about others count.

@@ -124,6 +124,7 @@ type GossipTransport struct {
 	inbound  map[network.Stream]struct{}
 	wg       sync.WaitGroup // senders and inbound handlers; Add only under mu while !closed
 	shutdown sync.Once
+	notifee  network.Notifiee // drops the senders of disconnected peers
 }
 
 var _ memberlist.NodeAwareTransport = (*GossipTransport)(nil)
@@ -151,6 +152,17 @@ func NewGossipTransport(cfg GossipTransportConfig) (*GossipTransport, error) {
 		inbound:  make(map[network.Stream]struct{}),
 	}
 	t.remember(t.self)
+	// A sender's stream dies with its peer's last connection: the sender
+	// goes then, rather than hold the closed connection until it idles
+	// out (a new packet starts a new one).
+	t.notifee = &network.NotifyBundle{DisconnectedF: func(n network.Network, c network.Conn) {
+		if p := c.RemotePeer(); n.Connectedness(p) != network.Connected && n.Connectedness(p) != network.Limited {
+			t.mu.Lock()
+			t.dropSenderLocked(p)
+			t.mu.Unlock()
+		}
+	}}
+	t.h.Network().Notify(t.notifee)
 	t.h.SetStreamHandler(GossipPacketProtocol, t.handlePacketStream)
 	t.h.SetStreamHandler(GossipStreamProtocol, t.handleStream)
 	return t, nil
@@ -191,15 +203,51 @@ func (t *GossipTransport) remember(p peer.ID) gossipNetAddr {
 	return gossipNetAddr{p: p, s: s}
 }
 
+// forget drops what the transport keeps for p, a member that left: its
+// derived address and its sender (whose stream would otherwise hold p's
+// closed connection until the sender idles out).
+func (t *GossipTransport) forget(p peer.ID) {
+	if p == t.self {
+		return
+	}
+	a := gossipAddrString(p)
+	t.mu.Lock()
+	if t.byAddr[a] == p {
+		delete(t.byAddr, a)
+	}
+	t.dropSenderLocked(p)
+	t.mu.Unlock()
+}
+
+// dropSenderLocked ends p's sender, if any (t.mu held).
+func (t *GossipTransport) dropSenderLocked(p peer.ID) {
+	if s := t.senders[p]; s != nil {
+		delete(t.senders, p)
+		close(s.quit)
+	}
+}
+
+// keepOnly drops the derived addresses of the peers keep rejects.
+func (t *GossipTransport) keepOnly(keep func(peer.ID) bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for s, p := range t.byAddr {
+		if p != t.self && !keep(p) {
+			delete(t.byAddr, s)
+		}
+	}
+}
+
 // peerOf maps a memberlist address to a peer: by node name when memberlist
 // has one, else through the derived addresses seen so far.
 func (t *GossipTransport) peerOf(a memberlist.Address) (peer.ID, error) {
 	if a.Name != "" {
+		// Named: nothing to remember (the derived address of a peer that
+		// sent us something is remembered as it arrives).
 		p, err := peer.Decode(a.Name)
 		if err != nil {
 			return "", fmt.Errorf("transport: gossip node name %q is not a peer ID: %w", a.Name, err)
 		}
-		t.remember(p)
 		return p, nil
 	}
 	t.mu.Lock()
@@ -285,7 +333,7 @@ func (t *GossipTransport) enqueue(p peer.ID, b []byte) error {
 	}
 	s := t.senders[p]
 	if s == nil {
-		s = &gossipSender{t: t, p: p, queue: make(chan []byte, gossipPacketQueue)}
+		s = &gossipSender{t: t, p: p, queue: make(chan []byte, gossipPacketQueue), quit: make(chan struct{})}
 		t.senders[p] = s
 		t.wg.Add(1)
 		go s.run()
@@ -303,6 +351,7 @@ type gossipSender struct {
 	t     *GossipTransport
 	p     peer.ID
 	queue chan []byte
+	quit  chan struct{} // closed by forget: the peer left
 }
 
 func (s *gossipSender) run() {
@@ -322,11 +371,15 @@ func (s *gossipSender) run() {
 		select {
 		case <-t.ctx.Done():
 			return
+		case <-s.quit:
+			return
 		case frame = <-s.queue:
 		case <-idle.C:
 			t.mu.Lock()
 			if len(s.queue) == 0 {
-				delete(t.senders, s.p)
+				if t.senders[s.p] == s {
+					delete(t.senders, s.p)
+				}
 				t.mu.Unlock()
 				return
 			}
@@ -578,6 +631,7 @@ func (t *GossipTransport) DialAddressTimeout(addr memberlist.Address, timeout ti
 // streams, waiting for every goroutine it started. Safe to call more than once.
 func (t *GossipTransport) Shutdown() error {
 	t.shutdown.Do(func() {
+		t.h.Network().StopNotify(t.notifee)
 		t.h.RemoveStreamHandler(GossipPacketProtocol)
 		t.h.RemoveStreamHandler(GossipStreamProtocol)
 		t.cancel()

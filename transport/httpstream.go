@@ -71,7 +71,16 @@ func PeerFromContext(ctx context.Context) (peer.ID, bool) {
 // Every request is acknowledged with AckStatus once it has been held for
 // AckDelay from its header on (body read or not) without a response head
 // (see WithAck). A handler that is a BodyHandler gets the body's bytes.
-func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (*HTTPServer, error) {
+// What net/http reports, a handler's recovered panic among it, is dropped
+// unless WithServerLog gives the server a log.
+func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool, opts ...ServeOption) (*HTTPServer, error) {
+	var o serveOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.errorLog == nil {
+		o.errorLog = log.New(io.Discard, "", 0)
+	}
 	if allow == nil {
 		allow = func(peer.ID) bool { return false }
 	}
@@ -86,7 +95,7 @@ func ServeHTTP(h host.Host, handler http.Handler, allow func(peer.ID) bool) (*HT
 		ReadHeaderTimeout: 30 * time.Second,
 		// Idle keep-alive streams: longer than the client's pool timeout.
 		IdleTimeout: 90 * time.Second,
-		ErrorLog:    log.New(io.Discard, "", 0),
+		ErrorLog:    o.errorLog,
 		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
 			if p, err := peer.Decode(c.RemoteAddr().String()); err == nil {
 				ctx = context.WithValue(ctx, peerCtxKey{}, p)
@@ -251,7 +260,10 @@ func (l *allowListener) Accept() (net.Conn, error) {
 // which saves opening and negotiating a stream per request. Cancelling a
 // request's context, or closing its body early, resets its stream at once;
 // the server's handler sees its context end. libp2p keeps one QUIC
-// connection per peer under all of these streams. Limited (relayed)
+// connection per peer under all of these streams; at most 224 of them are
+// open to one peer at a time (in use and idle), below the 256 a peer's QUIC
+// accepts, and a request beyond waits for one (its context bounds the
+// wait). Limited (relayed)
 // connections are not used: they are too small for inference traffic.
 // See streamTransport for why this is not an http.Transport.
 func NewRoundTripper(h host.Host) http.RoundTripper {

@@ -565,3 +565,79 @@ func (repeatA) Read(p []byte) (int, error) {
 	}
 	return len(p), nil
 }
+
+// TestHTTPStreamsPerPeerBounded: requests beyond the bound on open streams
+// to one peer wait for a stream instead of opening more (which QUIC would
+// hold back, the peer's credit spent); they all complete, and one whose
+// context ends while it waits returns at once.
+func TestHTTPStreamsPerPeerBounded(t *testing.T) {
+	srv, cli := newTestHost(t), newTestHost(t)
+	connect(t, cli, srv)
+	var mu sync.Mutex
+	var cur, peak int
+	release := make(chan struct{})
+	var once sync.Once
+	free := func() { once.Do(func() { close(release) }) }
+	defer free() // the handlers must return for the server to close
+	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		cur++
+		peak = max(peak, cur)
+		mu.Unlock()
+		<-release
+		mu.Lock()
+		cur--
+		mu.Unlock()
+		io.WriteString(w, "ok")
+	}), cli.ID())
+	tr := newStreamTransport(cli)
+	tr.maxOpen = 3
+	client := &http.Client{Transport: tr}
+	url := "http://" + srv.ID().String() + "/v1/x"
+	const n = 8
+	errs := make(chan error, n)
+	for range n {
+		go func() {
+			resp, err := client.Get(url)
+			if err == nil {
+				_, err = io.ReadAll(resp.Body)
+				resp.Body.Close()
+			}
+			errs <- err
+		}()
+	}
+	// Three handlers run, the rest wait in the transport.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		mu.Lock()
+		c := cur
+		mu.Unlock()
+		if c == 3 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d handlers running, want 3", c)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if _, err := client.Do(req); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a request waiting for a stream past its deadline: %v", err)
+	}
+	free()
+	for range n {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if peak != 3 {
+		t.Fatalf("%d handlers ran at once, bound 3", peak)
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if o := tr.open[string(srv.ID())]; o == nil || o.n != len(tr.idle[string(srv.ID())]) || o.n > 3 {
+		t.Fatalf("open streams %+v, idle %d", o, len(tr.idle[string(srv.ID())]))
+	}
+}

@@ -3,10 +3,6 @@ package transport
 import (
 	"bytes"
 	"context"
-	"crypto/hmac"
-	"crypto/rand"
-	"crypto/sha256"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -23,32 +19,16 @@ import (
 	"github.com/libp2p/go-libp2p/core/peer"
 )
 
-// The join protocol. Every message is a frame:
-//
-//	length  uint32, big endian: bytes that follow (2 .. maxFrameSize)
-//	version byte: joinVersion
-//	type    byte: msgChallenge, msgHello, ...
-//	body    length-2 bytes
-//
-// The relay opens with a challenge (32 random bytes). The agent answers with
-// a hello: HMAC-SHA256 keyed by the token over the protocol label and
-// version, the relay's and the agent's peer IDs, the nonce and the info bytes
-// exactly as sent, followed by those info bytes (JSON). Peer IDs are the ones
-// libp2p authenticated for the connection, so a proof cannot be replayed by
-// another peer, to another relay, or on another stream. The relay answers
-// welcome or reject; afterwards the agent sends update frames (info JSON) and
-// the stream's end means the agent left.
+// The join protocol opens with the framed handshake of handshake.go: the
+// relay accepts, the agent initiates with its info (JSON) as the payload,
+// and only the agent proves the token. Afterwards the agent sends update
+// frames (info JSON) and the stream's end means the agent left.
 const (
 	joinVersion  byte = 1
 	maxFrameSize      = 64 << 10
-	nonceSize         = 32
-	macSize           = sha256.Size
+	macSize           = handshakeMAC
 
-	msgChallenge byte = 1 // relay -> agent: nonce
-	msgHello     byte = 2 // agent -> relay: mac || info
-	msgWelcome   byte = 3 // relay -> agent: empty
-	msgReject    byte = 4 // relay -> agent: reason (UTF-8)
-	msgUpdate    byte = 5 // agent -> relay: info
+	msgUpdate = FrameProtocol // agent -> relay: info
 
 	maxNameLen   = 128
 	maxModels    = 1024
@@ -66,12 +46,18 @@ const (
 	proofLabel       = "computeflux join proof"
 )
 
+// joinFraming is the join protocol's framing.
+var joinFraming = Framing{Version: joinVersion, MaxFrame: maxFrameSize}
+
+// joinHandshake is the join protocol's handshake with token.
+func joinHandshake(token []byte) *Handshake {
+	return &Handshake{Framing: joinFraming, Secret: token, Label: proofLabel}
+}
+
 // Errors returned by Join and Membership.
 var (
 	// ErrRejected is wrapped by every *RejectedError.
 	ErrRejected = errors.New("join rejected")
-	// errBadFrame reports a frame that violates the protocol.
-	errBadFrame = errors.New("malformed join frame")
 )
 
 // RejectedError is returned by Join (or Membership.Err) when the relay
@@ -213,11 +199,12 @@ func (js *JoinServer) handle(s network.Stream) {
 	if ok, wait := js.lim.allow(p, ip, time.Now()); !ok {
 		js.refused.Add(1)
 		_ = s.SetDeadline(time.Now().Add(handshakeTimeout))
-		_ = writeFrame(s, msgReject, []byte(backoffReason(wait)))
+		_ = joinHandshake(nil).Reject(s, backoffReason(wait))
 		_ = s.Close()
 		return
 	}
-	info, reject, err := js.handshake(s, p)
+	hs := joinHandshake(js.token)
+	info, hello, reject, err := js.handshake(hs, s, p)
 	if err != nil {
 		js.failed.Add(1)
 		js.lim.failed(p, ip, time.Now())
@@ -226,7 +213,7 @@ func (js *JoinServer) handle(s network.Stream) {
 			return
 		}
 		// Say why, and close gracefully so that the reason arrives.
-		_ = writeFrame(s, msgReject, []byte(reject))
+		_ = hs.Reject(s, reject)
 		_ = s.Close()
 		return
 	}
@@ -261,12 +248,7 @@ func (js *JoinServer) handle(s network.Stream) {
 	if err := js.jh.Joined(p, info); err != nil {
 		js.failed.Add(1)
 		js.lim.failed(p, ip, time.Now())
-		reason := err.Error()
-		if len(reason) > maxReasonLen {
-			reason = reason[:maxReasonLen]
-		}
-		reason = string(bytes.ToValidUTF8([]byte(reason), []byte("?")))
-		_ = writeFrame(s, msgReject, []byte(reason))
+		_ = hs.Reject(s, err.Error())
 		_ = s.Close()
 		return
 	}
@@ -274,7 +256,7 @@ func (js *JoinServer) handle(s network.Stream) {
 	js.h.ConnManager().Protect(p, protectTag)
 	defer js.h.ConnManager().Unprotect(p, protectTag)
 	defer js.jh.Left(p)
-	if err := writeFrame(s, msgWelcome, nil); err != nil {
+	if err := hs.Welcome(s, hello, js.h.ID(), p); err != nil {
 		_ = s.Reset()
 		return
 	}
@@ -304,54 +286,23 @@ func (js *JoinServer) handle(s network.Stream) {
 	}
 }
 
-// handshake runs the relay's side up to a verified hello. On failure,
-// reject is the reason to send the agent, if any.
-func (js *JoinServer) handshake(s network.Stream, p peer.ID) (info JoinInfo, reject string, err error) {
+// handshake runs the relay's side of hs up to a verified hello and its
+// info. On failure, reject is the reason to send the agent, if any.
+func (js *JoinServer) handshake(hs *Handshake, s network.Stream, p peer.ID) (info JoinInfo, hello *Hello, reject string, err error) {
 	_ = s.SetDeadline(time.Now().Add(handshakeTimeout))
-	var nonce [nonceSize]byte
-	if _, err := rand.Read(nonce[:]); err != nil {
-		return JoinInfo{}, "", err
-	}
-	if err := writeFrame(s, msgChallenge, nonce[:]); err != nil {
-		return JoinInfo{}, "", err
-	}
-	typ, body, err := readFrame(s)
-	if err != nil {
-		return JoinInfo{}, "", err
-	}
-	if typ != msgHello || len(body) < macSize {
-		return JoinInfo{}, "", errBadFrame
-	}
-	mac, infoBytes := body[:macSize], body[macSize:]
-	want := joinProof(js.token, js.h.ID(), p, nonce[:], infoBytes)
-	if !hmac.Equal(mac, want) {
+	hello, err = hs.Accept(s, s, js.h.ID(), p)
+	if errors.Is(err, ErrBadProof) {
 		// A wrong token is the usual mistake: say so.
-		return JoinInfo{}, "invalid join proof (wrong token?)", errors.New("invalid join proof")
+		return JoinInfo{}, nil, "invalid join proof (wrong token?)", errors.New("invalid join proof")
 	}
-	info, err = parseInfo(infoBytes)
 	if err != nil {
-		return JoinInfo{}, "invalid join info", err
+		return JoinInfo{}, nil, "", err
 	}
-	return info, "", nil
-}
-
-// joinProof is the agent's proof of knowing token for one handshake.
-func joinProof(token []byte, relay, agent peer.ID, nonce, info []byte) []byte {
-	m := hmac.New(sha256.New, token)
-	m.Write([]byte(proofLabel))
-	m.Write([]byte{joinVersion})
-	writeLenPrefixed(m, []byte(relay))
-	writeLenPrefixed(m, []byte(agent))
-	writeLenPrefixed(m, nonce)
-	writeLenPrefixed(m, info)
-	return m.Sum(nil)
-}
-
-func writeLenPrefixed(w io.Writer, b []byte) {
-	var n [4]byte
-	binary.BigEndian.PutUint32(n[:], uint32(len(b)))
-	w.Write(n[:])
-	w.Write(b)
+	info, err = parseInfo(hello.Payload)
+	if err != nil {
+		return JoinInfo{}, nil, "invalid join info", err
+	}
+	return info, hello, "", nil
 }
 
 // Membership is an agent's open registration with one relay, returned by
@@ -404,33 +355,15 @@ func Join(ctx context.Context, h host.Host, relay peer.ID, token []byte, info Jo
 		}
 		return nil, fmt.Errorf("join %s: %w", relay, err)
 	}
-	typ, body, err := readFrame(s)
-	if err != nil {
+	if err := joinHandshake(token).Initiate(s, s, h.ID(), relay, infoBytes); err != nil {
+		var rej *RejectedError
+		if errors.As(err, &rej) {
+			// Refused: before the handshake (back-off after failed
+			// joins), for a wrong token or by the relay's registry.
+			_ = s.Close()
+			return nil, rej
+		}
 		return fail(err)
-	}
-	if typ == msgReject {
-		// Refused before the handshake (back-off after failed joins).
-		_ = s.Close()
-		return nil, &RejectedError{Reason: string(bytes.ToValidUTF8(body, []byte("?")))}
-	}
-	if typ != msgChallenge || len(body) != nonceSize {
-		return fail(errBadFrame)
-	}
-	mac := joinProof(token, relay, h.ID(), body, infoBytes)
-	if err := writeFrame(s, msgHello, append(mac, infoBytes...)); err != nil {
-		return fail(err)
-	}
-	typ, body, err = readFrame(s)
-	if err != nil {
-		return fail(err)
-	}
-	switch typ {
-	case msgWelcome:
-	case msgReject:
-		_ = s.Close()
-		return nil, &RejectedError{Reason: string(bytes.ToValidUTF8(body, []byte("?")))}
-	default:
-		return fail(errBadFrame)
 	}
 	if !stop() {
 		// ctx ended at the last moment and the stream is being reset.
@@ -454,8 +387,8 @@ func (m *Membership) read() {
 		if err != nil {
 			break
 		}
-		if typ == msgReject {
-			err = &RejectedError{Reason: string(bytes.ToValidUTF8(body, []byte("?")))}
+		if typ == FrameReject {
+			err = rejected(body)
 			break
 		}
 	}
@@ -526,42 +459,13 @@ func (m *Membership) Close() error {
 	return nil
 }
 
-// writeFrame writes one frame in a single Write.
+// writeFrame writes one join frame.
 func writeFrame(w io.Writer, typ byte, body []byte) error {
-	if len(body)+2 > maxFrameSize {
-		return fmt.Errorf("join frame of %d bytes exceeds %d", len(body)+2, maxFrameSize)
-	}
-	b := make([]byte, 6+len(body))
-	binary.BigEndian.PutUint32(b, uint32(len(body)+2))
-	b[4] = joinVersion
-	b[5] = typ
-	copy(b[6:], body)
-	_, err := w.Write(b)
-	return err
+	return joinFraming.WriteFrame(w, typ, body)
 }
 
-// readFrame reads one frame and checks its length and version.
-func readFrame(r io.Reader) (typ byte, body []byte, err error) {
-	var hdr [4]byte
-	if _, err := io.ReadFull(r, hdr[:]); err != nil {
-		return 0, nil, err
-	}
-	n := binary.BigEndian.Uint32(hdr[:])
-	if n < 2 || n > maxFrameSize {
-		return 0, nil, fmt.Errorf("%w: length %d", errBadFrame, n)
-	}
-	b := make([]byte, n)
-	if _, err := io.ReadFull(r, b); err != nil {
-		if errors.Is(err, io.EOF) {
-			err = io.ErrUnexpectedEOF
-		}
-		return 0, nil, err
-	}
-	if b[0] != joinVersion {
-		return 0, nil, fmt.Errorf("%w: version %d, want %d", errBadFrame, b[0], joinVersion)
-	}
-	return b[1], b[2:], nil
-}
+// readFrame reads one join frame.
+func readFrame(r io.Reader) (typ byte, body []byte, err error) { return joinFraming.ReadFrame(r) }
 
 // encodeInfo checks info and encodes it for the wire.
 func encodeInfo(info JoinInfo) ([]byte, error) {

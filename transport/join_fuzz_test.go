@@ -36,13 +36,13 @@ func (s *handshakeStream) Write(p []byte) (int, error) { return s.written.Write(
 func (s *handshakeStream) Read(p []byte) (int, error) {
 	if s.in == nil {
 		typ, body, err := readFrame(bytes.NewReader(s.written.Bytes()))
-		if err != nil || typ != msgChallenge {
+		if err != nil || typ != FrameChallenge {
 			return 0, io.ErrUnexpectedEOF
 		}
 		mac := joinProof(s.token, s.relay, s.agent, body, s.info)
 		mac[0] ^= s.corrupt
 		var b bytes.Buffer
-		if err := writeFrame(&b, msgHello, append(mac, s.info...)); err != nil {
+		if err := writeFrame(&b, FrameHello, append(mac, s.info...)); err != nil {
 			b.Reset() // too large to frame: send only the tail
 		}
 		b.Write(s.tail)
@@ -95,7 +95,7 @@ func FuzzJoinHandshake(f *testing.F) {
 	f.Fuzz(func(t *testing.T, info []byte, corrupt byte, tail []byte) {
 		js := &JoinServer{h: idHost{id: relay}, token: token}
 		s := &handshakeStream{token: token, relay: relay, agent: agent, info: info, corrupt: corrupt, tail: tail}
-		got, reject, err := js.handshake(s, agent)
+		got, _, reject, err := js.handshake(joinHandshake(token), s, agent)
 		want, perr := parseInfo(info)
 		framed := len(info)+2+macSize <= maxFrameSize
 		valid := corrupt == 0 && perr == nil && framed

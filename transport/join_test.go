@@ -168,18 +168,18 @@ func TestJoinProofReplayedByAnotherPeerFails(t *testing.T) {
 	}
 	defer s.Reset()
 	typ, nonce, err := readFrame(s)
-	if err != nil || typ != msgChallenge {
+	if err != nil || typ != FrameChallenge {
 		t.Fatalf("challenge: %d %v", typ, err)
 	}
 	// The thief has obtained the agent's genuine proof for this very nonce
 	// (the worst case: e.g. it relayed the challenge to the agent).
 	info := []byte(`{"name":"gpu1"}`)
 	proof := joinProof(testToken, relay.ID(), agent.ID(), nonce, info)
-	if err := writeFrame(s, msgHello, append(proof, info...)); err != nil {
+	if err := writeFrame(s, FrameHello, append(proof, info...)); err != nil {
 		t.Fatal(err)
 	}
 	typ, reason, err := readFrame(s)
-	if err != nil || typ != msgReject {
+	if err != nil || typ != FrameReject {
 		t.Fatalf("replayed proof: answer %d %q %v, want a reject", typ, reason, err)
 	}
 	if evs := rec.list(); len(evs) != 0 {
@@ -283,11 +283,11 @@ func TestJoinCancelledContext(t *testing.T) {
 
 func FuzzJoinDecode(f *testing.F) {
 	var buf bytes.Buffer
-	writeFrame(&buf, msgChallenge, make([]byte, nonceSize))
+	writeFrame(&buf, FrameChallenge, make([]byte, handshakeNonce))
 	f.Add(buf.Bytes())
 	buf.Reset()
 	info, _ := encodeInfo(JoinInfo{Name: "gpu1", Models: []string{"a", "b"}, Weight: 2, Capacity: 3, Draining: true})
-	writeFrame(&buf, msgHello, append(make([]byte, macSize), info...))
+	writeFrame(&buf, FrameHello, append(make([]byte, macSize), info...))
 	f.Add(buf.Bytes())
 	buf.Reset()
 	writeFrame(&buf, msgUpdate, info)
@@ -305,7 +305,7 @@ func FuzzJoinDecode(f *testing.F) {
 				t.Fatalf("frame body of %d bytes accepted", len(body))
 			}
 			var payload []byte = body
-			if typ == msgHello && len(body) >= macSize {
+			if typ == FrameHello && len(body) >= macSize {
 				payload = body[macSize:]
 			}
 			info, err := parseInfo(payload)
@@ -323,4 +323,9 @@ func FuzzJoinDecode(f *testing.F) {
 			}
 		}
 	})
+}
+
+// joinProof is an agent's proof of token for the join handshake with relay.
+func joinProof(token []byte, relay, agent peer.ID, nonce, info []byte) []byte {
+	return joinHandshake(token).proof(proofLabel, relay, agent, nonce, info)
 }

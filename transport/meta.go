@@ -104,6 +104,10 @@ type NodeMeta struct {
 	LoadUnknown bool
 	// Seq grows with every published change; set by Gossip.
 	Seq uint64
+	// Panics counts the request handlers' panics the member's servers
+	// recovered since it started (see ServerLog). Appended to the version-1
+	// fields: 0 from a member that predates it.
+	Panics uint64
 }
 
 // ModelsDigest returns the digest carried in place of a model list that does
@@ -190,13 +194,14 @@ func appendMeta(b []byte, m NodeMeta, models []string, digest bool) []byte {
 	b = binary.AppendUvarint(b, uint64(len(models)))
 	if digest {
 		d := ModelsDigest(models)
-		return append(b, d[:]...)
+		b = append(b, d[:]...)
+		return binary.AppendUvarint(b, m.Panics)
 	}
 	for _, s := range models {
 		b = binary.AppendUvarint(b, uint64(len(s)))
 		b = append(b, s...)
 	}
-	return b
+	return binary.AppendUvarint(b, m.Panics)
 }
 
 func kvToWire(f float64) uint16 {
@@ -264,6 +269,9 @@ func DecodeMeta(b []byte) (NodeMeta, error) {
 		}
 		m.ModelsDigest = ModelsDigest(m.Models)
 	}
+	if d.err == nil && len(d.b) > 0 {
+		m.Panics = d.uvarint(math.MaxUint64)
+	}
 	if d.err != nil {
 		return NodeMeta{}, d.err
 	}
@@ -324,13 +332,13 @@ func (d *wireDecoder) str() string {
 }
 
 // metaSignificant reports whether next differs from prev enough to publish at
-// once: any change of identity, models, capacity or flags, a load change of
+// once: any change of identity, models, capacity, flags or panics, a load change of
 // at least 2 requests or 20%, or a KV-cache usage change of 0.05 or more.
 // Smaller changes wait for the periodic refresh.
 func metaSignificant(prev, next NodeMeta) bool {
 	if prev.Role != next.Role || prev.Name != next.Name || prev.Capacity != next.Capacity ||
 		prev.Draining != next.Draining || prev.Unavailable != next.Unavailable ||
-		prev.LoadUnknown != next.LoadUnknown ||
+		prev.LoadUnknown != next.LoadUnknown || prev.Panics != next.Panics ||
 		!slices.Equal(normalizeModels(prev.Models), normalizeModels(next.Models)) {
 		return true
 	}

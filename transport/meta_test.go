@@ -14,7 +14,7 @@ func sampleMetas() map[string]NodeMeta {
 		"relay": {Role: NodeRoleRelay, Seq: 7},
 		"agent": {
 			Role: NodeRoleAgent, Name: "gpu-box-1", Models: []string{"llama-3.1-8b", "qwen2.5-7b"},
-			Capacity: 8, InFlight: 3, Running: 2, Waiting: 5, KVCacheUsage: 0.4217, Seq: 1 << 40,
+			Capacity: 8, InFlight: 3, Running: 2, Waiting: 5, KVCacheUsage: 0.4217, Seq: 1 << 40, Panics: 3,
 		},
 		"flags":        {Role: NodeRoleAgent, Name: "x", Draining: true, Unavailable: true, Capacity: metaMaxInt},
 		"load unknown": {Role: NodeRoleAgent, Name: "y", InFlight: 2, LoadUnknown: true},
@@ -130,6 +130,13 @@ func TestMetaDecodeErrors(t *testing.T) {
 	if _, err := DecodeMeta(append(good, 1, 2, 3)); err != nil {
 		t.Errorf("trailing bytes: %v", err)
 	}
+	// A member from before Panics was appended sends none: 0.
+	m := sampleMetas()["agent"]
+	m.Panics = 0
+	older, _ := EncodeMeta(m, 0)
+	if got, err := DecodeMeta(older[:len(older)-1]); err != nil || got.Panics != 0 || got.Waiting != 5 || len(got.Models) != 2 {
+		t.Errorf("an encoding without panics: %+v, %v", got, err)
+	}
 }
 
 func TestMetaSignificant(t *testing.T) {
@@ -150,6 +157,7 @@ func TestMetaSignificant(t *testing.T) {
 		{"models", func(m *NodeMeta) { m.Models = []string{"m", "n"} }, true},
 		{"models reordered", func(m *NodeMeta) { m.Models = []string{"m", "m"} }, false},
 		{"capacity", func(m *NodeMeta) { m.Capacity = 9 }, true},
+		{"a panic", func(m *NodeMeta) { m.Panics = 1 }, true},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -186,7 +194,11 @@ func FuzzDecodeMeta(f *testing.F) {
 		if m.ModelsTruncated {
 			return // the list itself is not on the wire
 		}
-		again, err := EncodeMeta(m, len(b))
+		if len(appendMeta(nil, m, m.Models, false)) > MetaMaxSize {
+			return // an encoding from before Panics, at the limit: its count no longer fits beside the list
+		}
+		// +1: an encoding from before Panics lacks its byte.
+		again, err := EncodeMeta(m, len(b)+1)
 		if err != nil {
 			t.Fatalf("re-encode: %v", err)
 		}

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"net/textproto"
+	"slices"
 	"sync"
 	"time"
 
@@ -38,13 +39,27 @@ type streamTransport struct {
 	// stream reset, a TCP close).
 	dial func(ctx context.Context, key string) (net.Conn, error)
 
-	mu   sync.Mutex // guards idle and nValid
+	mu   sync.Mutex // guards idle, open, nValid and swept
 	idle map[string][]*pooledStream
+	// open counts each peer's streams, in use and idle, when maxOpen
+	// bounds them.
+	open  map[string]*openStreams
+	swept time.Time // when the last sweep of expired idle streams ran
 
 	valid    sync.Map // URL host -> peer.ID, hosts known to be peer IDs
 	nValid   int      // entries in valid (approximate; guarded by mu)
 	maxIdle  int      // idle streams kept per peer
+	maxOpen  int      // streams open per peer, in use and idle; 0: no bound
 	idleTime time.Duration
+}
+
+// openStreams is one peer's count of open streams. Guarded by
+// streamTransport.mu.
+type openStreams struct {
+	n int
+	// wake, made by a request waiting for a stream, is closed (and
+	// dropped) when one is released or goes idle.
+	wake chan struct{}
 }
 
 // pooledStream is a client stream (or connection) with its buffers.
@@ -53,6 +68,9 @@ type pooledStream struct {
 	br        *bufio.Reader
 	bw        *bufio.Writer
 	idleSince time.Time
+	key       string
+	counted   bool // holds one of its peer's open streams
+	closed    bool // guarded by the transport's mu when counted
 }
 
 // Pool limits, as NewRoundTripper documented them for its http.Transport.
@@ -60,6 +78,13 @@ const (
 	// The agent's side accepts 256 concurrent streams per connection
 	// (quic-go's limit in libp2p): keep the idle pool well below.
 	maxIdlePerPeer = 32
+	// maxOpenPerPeer bounds the InferProtocol streams open to one peer, in
+	// use and idle, below quic-go's 256: a stream beyond the peer's limit
+	// would wait inside QUIC for the peer's credit, and so would every
+	// other stream opened meanwhile, the liveness probes among them. The
+	// rest is left to those: pings, gossip. A request beyond the bound
+	// waits here for a stream (its context bounds the wait).
+	maxOpenPerPeer = 224
 	// Shorter than the server's IdleTimeout, so that the client retires an
 	// idle stream before the server closes it under a new request.
 	idleStreamTimeout = 30 * time.Second
@@ -68,7 +93,14 @@ const (
 )
 
 func newStreamTransport(h host.Host) *streamTransport {
-	t := &streamTransport{idle: map[string][]*pooledStream{}, maxIdle: maxIdlePerPeer, idleTime: idleStreamTimeout}
+	t := &streamTransport{idle: map[string][]*pooledStream{}, open: map[string]*openStreams{},
+		maxIdle: maxIdlePerPeer, maxOpen: maxOpenPerPeer, idleTime: idleStreamTimeout}
+	// A peer's idle streams die with its connection: drop them then, so
+	// that peers that come and go (agents rejoining under new peer IDs)
+	// leave nothing behind. The notifee lives as long as the host.
+	h.Network().Notify(&network.NotifyBundle{DisconnectedF: func(_ network.Network, c network.Conn) {
+		t.dropConn(c.RemotePeer(), c)
+	}})
 	t.key = func(req *http.Request) (string, error) {
 		p, err := t.peerOf(req.URL.Hostname())
 		if err != nil {
@@ -166,14 +198,19 @@ func (t *streamTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 			closeBody()
 			return nil, err
 		}
-		ps, reused := t.get(key)
+		ps, reused, err := t.get(ctx, key)
+		if err != nil {
+			closeBody()
+			return nil, err
+		}
 		if ps == nil {
 			c, err := t.dial(ctx, key)
 			if err != nil {
+				t.release(key)
 				closeBody()
 				return nil, err
 			}
-			ps = &pooledStream{s: c, br: bufio.NewReader(c), bw: bufio.NewWriter(c)}
+			ps = &pooledStream{s: c, br: bufio.NewReader(c), bw: bufio.NewWriter(c), key: key, counted: t.maxOpen > 0}
 		}
 		if trace != nil && trace.GotConn != nil {
 			trace.GotConn(httptrace.GotConnInfo{Conn: ps.s, Reused: reused})
@@ -213,10 +250,10 @@ func (e *noResponseError) Unwrap() error { return e.err }
 // by the caller through a streamBody, which returns ps to the pool at its
 // end. A cancelled context resets the stream at once, whatever is under way.
 func (t *streamTransport) exchange(ctx context.Context, req *http.Request, key string, ps *pooledStream, trace *httptrace.ClientTrace) (*http.Response, error) {
-	stop := context.AfterFunc(ctx, func() { _ = ps.s.Close() })
+	stop := context.AfterFunc(ctx, func() { t.closeStream(ps) })
 	fail := func(err error) (*http.Response, error) {
 		stop()
-		_ = ps.s.Close()
+		t.closeStream(ps)
 		if cerr := ctx.Err(); cerr != nil {
 			return nil, cerr
 		}
@@ -225,11 +262,9 @@ func (t *streamTransport) exchange(ctx context.Context, req *http.Request, key s
 	if err := req.Write(ps.bw); err != nil {
 		return fail(&noResponseError{fmt.Errorf("transport: write request: %w", err)})
 	}
+	// Request.Write reported WroteRequest to the trace itself.
 	if err := ps.bw.Flush(); err != nil {
 		return fail(&noResponseError{fmt.Errorf("transport: write request: %w", err)})
-	}
-	if trace != nil && trace.WroteRequest != nil {
-		trace.WroteRequest(httptrace.WroteRequestInfo{})
 	}
 	var resp *http.Response
 	for first := true; ; first = false {
@@ -259,6 +294,7 @@ func (t *streamTransport) exchange(ctx context.Context, req *http.Request, key s
 		break
 	}
 	b := &streamBody{t: t, ctx: ctx, ps: ps, key: key, stop: stop, rc: resp.Body, keep: !resp.Close && resp.StatusCode != http.StatusSwitchingProtocols}
+	b.read, _ = ctx.Value(readProgressKey{}).(func())
 	if resp.Body == http.NoBody || resp.Body == nil {
 		b.rc = http.NoBody
 		b.finish(true)
@@ -275,7 +311,8 @@ type streamBody struct {
 	key  string
 	stop func() bool
 	rc   io.ReadCloser
-	keep bool // the stream may carry another request after this one
+	keep bool   // the stream may carry another request after this one
+	read func() // WithReadProgress's; nil without
 
 	mu   sync.Mutex // guards done
 	done bool
@@ -284,6 +321,9 @@ type streamBody struct {
 // Read reads the body; at its end the stream goes back to the pool.
 func (b *streamBody) Read(p []byte) (int, error) {
 	n, err := b.rc.Read(p)
+	if n > 0 && b.read != nil {
+		b.read()
+	}
 	if err != nil {
 		b.finish(err == io.EOF)
 		if cerr := b.ctx.Err(); err != io.EOF && cerr != nil {
@@ -314,43 +354,194 @@ func (b *streamBody) finish(clean bool) {
 	b.mu.Unlock()
 	// stop is false once the context's reset ran (or is running).
 	if !b.stop() || !clean || !b.keep || b.ps.br.Buffered() > 0 {
-		_ = b.ps.s.Close()
+		b.t.closeStream(b.ps)
 		return
 	}
 	b.t.put(b.key, b.ps)
 }
 
 // get returns an idle stream for key, newest first, dropping expired ones.
-func (t *streamTransport) get(key string) (*pooledStream, bool) {
-	now := time.Now()
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	l := t.idle[key]
-	for len(l) > 0 {
-		ps := l[len(l)-1]
-		l[len(l)-1] = nil
-		l = l[:len(l)-1]
-		if now.Sub(ps.idleSince) < t.idleTime {
-			t.idle[key] = l
-			return ps, true
+// Without one it returns nil, having counted the stream the caller is to
+// open (release it if that fails); with maxOpen streams open already it
+// waits for one to go idle or close, or for ctx to end.
+func (t *streamTransport) get(ctx context.Context, key string) (ps *pooledStream, reused bool, err error) {
+	for {
+		var expired []*pooledStream
+		var wake chan struct{}
+		now := time.Now()
+		t.mu.Lock()
+		l := t.idle[key]
+		for len(l) > 0 && ps == nil {
+			last := l[len(l)-1]
+			l[len(l)-1] = nil
+			l = l[:len(l)-1]
+			if now.Sub(last.idleSince) < t.idleTime {
+				ps = last
+			} else {
+				expired = append(expired, last)
+			}
 		}
-		_ = ps.s.Close()
+		if len(l) > 0 {
+			t.idle[key] = l
+		} else {
+			delete(t.idle, key)
+		}
+		if ps == nil && t.maxOpen > 0 {
+			o := t.open[key]
+			if o == nil {
+				o = &openStreams{}
+				t.open[key] = o
+			}
+			// The expired streams close below: their places are free.
+			if o.n-len(expired) < t.maxOpen {
+				o.n++
+			} else {
+				if o.wake == nil {
+					o.wake = make(chan struct{})
+				}
+				wake = o.wake
+			}
+		}
+		t.mu.Unlock()
+		for _, e := range expired {
+			t.closeStream(e)
+		}
+		if wake == nil {
+			return ps, ps != nil, nil
+		}
+		select {
+		case <-wake:
+		case <-ctx.Done():
+			return nil, false, ctx.Err()
+		}
 	}
-	delete(t.idle, key)
-	return nil, false
 }
 
-// put returns a stream whose exchange ended cleanly to the idle pool.
+// put returns a stream whose exchange ended cleanly to the idle pool. Every
+// idleTime/2 it also sweeps the whole pool of expired streams, so that
+// those of a peer never asked again do not wait for that peer.
 func (t *streamTransport) put(key string, ps *pooledStream) {
-	ps.idleSince = time.Now()
+	now := time.Now()
+	ps.idleSince = now
+	var expired []*pooledStream
 	t.mu.Lock()
-	if len(t.idle[key]) >= t.maxIdle {
+	if now.Sub(t.swept) >= t.idleTime/2 {
+		t.swept = now
+		expired = t.sweepLocked(now)
+	}
+	full := len(t.idle[key]) >= t.maxIdle
+	if !full {
+		t.idle[key] = append(t.idle[key], ps)
+		t.wakeLocked(key)
+	}
+	t.mu.Unlock()
+	if full {
+		t.closeStream(ps)
+	}
+	for _, e := range expired {
+		t.closeStream(e)
+	}
+}
+
+// sweepLocked takes the expired idle streams out of the pool and returns
+// them (t.mu held).
+func (t *streamTransport) sweepLocked(now time.Time) []*pooledStream {
+	var out []*pooledStream
+	for key, l := range t.idle {
+		// Newest last: the expired ones are a prefix.
+		n := 0
+		for n < len(l) && now.Sub(l[n].idleSince) >= t.idleTime {
+			n++
+		}
+		if n == 0 {
+			continue
+		}
+		out = append(out, l[:n]...)
+		if n == len(l) {
+			delete(t.idle, key)
+		} else {
+			t.idle[key] = slices.Delete(l, 0, n)
+		}
+	}
+	return out
+}
+
+// dropConn drops the idle streams to peer p that ride connection c (which
+// closed), and p's cached URL host.
+func (t *streamTransport) dropConn(p peer.ID, c network.Conn) {
+	key := string(p)
+	var dead []*pooledStream
+	t.mu.Lock()
+	l := t.idle[key]
+	kept := l[:0]
+	for _, ps := range l {
+		if sc, ok := ps.s.(*streamConn); ok && sc.Conn() == c {
+			dead = append(dead, ps)
+		} else {
+			kept = append(kept, ps)
+		}
+	}
+	clear(l[len(kept):])
+	if len(kept) == 0 {
+		delete(t.idle, key)
+	} else {
+		t.idle[key] = kept
+	}
+	t.mu.Unlock()
+	if _, ok := t.valid.LoadAndDelete(p.String()); ok {
+		t.mu.Lock()
+		t.nValid--
 		t.mu.Unlock()
-		_ = ps.s.Close()
+	}
+	for _, ps := range dead {
+		t.closeStream(ps)
+	}
+}
+
+// closeStream closes (resets) ps and frees its place among its peer's open
+// streams, once.
+func (t *streamTransport) closeStream(ps *pooledStream) {
+	_ = ps.s.Close()
+	if !ps.counted {
 		return
 	}
-	t.idle[key] = append(t.idle[key], ps)
-	t.mu.Unlock()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if ps.closed {
+		return
+	}
+	ps.closed = true
+	t.releaseLocked(ps.key)
+}
+
+// release frees a place counted by get for a stream that was not opened.
+func (t *streamTransport) release(key string) {
+	if t.maxOpen == 0 {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.releaseLocked(key)
+}
+
+func (t *streamTransport) releaseLocked(key string) {
+	o := t.open[key]
+	if o == nil {
+		return
+	}
+	o.n--
+	t.wakeLocked(key)
+	if o.n <= 0 && o.wake == nil {
+		delete(t.open, key)
+	}
+}
+
+// wakeLocked wakes the requests waiting for a stream to key.
+func (t *streamTransport) wakeLocked(key string) {
+	if o := t.open[key]; o != nil && o.wake != nil {
+		close(o.wake)
+		o.wake = nil
+	}
 }
 
 // CloseIdleConnections closes (resets) the idle streams of the pool.
@@ -361,7 +552,7 @@ func (t *streamTransport) CloseIdleConnections() {
 	t.mu.Unlock()
 	for _, l := range idle {
 		for _, ps := range l {
-			_ = ps.s.Close()
+			t.closeStream(ps)
 		}
 	}
 }

@@ -1,34 +1,31 @@
 package simengine
 
-// blockCache is an LRU set of block hashes with a fixed capacity. Nodes live
-// in one slab linked by int32 index and a blockTable finds them by hash, so
-// a full cache costs about 39 bytes per block (16 in the slab, about 23 in
-// the table) and no allocation once it has filled.
+import "github.com/computeflux/computeflux/scheduler/slab"
+
+// blockCache is an LRU set of block hashes with a fixed capacity. Hashes
+// live in one slab ordered by a slab.List and a blockTable finds them by
+// hash, so a full cache costs about 39 bytes per block (8 in the slab, 8 in
+// its links, about 23 in the table) and no allocation once it has filled.
 //
 // Chains are touched tail first, so a chain's head ends up most recent and
 // its tail is evicted first, as vLLM frees a finished request's blocks in
 // reverse order: evicting a middle block would strand every block after it.
 type blockCache struct {
-	capacity   int
-	index      blockTable
-	nodes      []cacheNode
-	head, tail int32 // most and least recently used; -1 when empty
-	sink       uint64
-}
-
-type cacheNode struct {
-	hash       BlockHash
-	prev, next int32 // towards head, towards tail; -1 at the ends
+	capacity int
+	index    blockTable
+	hashes   []BlockHash // by node
+	list     slab.List   // the nodes, most recently used first
+	sink     uint64
 }
 
 func newBlockCache(capacity int) *blockCache {
-	c := &blockCache{capacity: capacity, head: -1, tail: -1}
+	c := &blockCache{capacity: capacity, list: slab.New()}
 	c.index.init(capacity)
 	return c
 }
 
 // len returns the number of cached blocks.
-func (c *blockCache) len() int { return len(c.nodes) }
+func (c *blockCache) len() int { return len(c.hashes) }
 
 // lookup returns how many leading hashes of hs are cached, without changing
 // recency.
@@ -90,19 +87,18 @@ func (c *blockCache) touchChain(hs, ext []BlockHash, at []int32) {
 // nil) is its hint, updated.
 func (c *blockCache) touchOne(h BlockHash, at []int32, i int) {
 	if at != nil {
-		if n := at[i]; n >= 0 && int(n) < len(c.nodes) && c.nodes[n].hash == h {
-			c.moveToFront(n)
+		if n := at[i]; n >= 0 && int(n) < len(c.hashes) && c.hashes[n] == h {
+			c.list.Touch(n)
 			return
 		}
 	}
 	n, ok := c.index.get(h)
 	if ok {
-		c.moveToFront(n)
+		c.list.Touch(n)
 	} else {
 		n = c.alloc()
-		c.nodes[n].hash = h
+		c.hashes[n] = h
 		c.index.insert(h, n)
-		c.pushFront(n)
 	}
 	if at != nil {
 		at[i] = n
@@ -123,8 +119,8 @@ func (c *blockCache) prefetch(hs []BlockHash, at []int32) {
 	var sink uint64
 	for i, h := range hs {
 		if at != nil {
-			if n := at[i]; n >= 0 && int(n) < len(c.nodes) {
-				sink += uint64(c.nodes[n].hash)
+			if n := at[i]; n >= 0 && int(n) < len(c.hashes) {
+				sink += uint64(c.hashes[n])
 				continue
 			}
 		}
@@ -133,65 +129,32 @@ func (c *blockCache) prefetch(hs []BlockHash, at []int32) {
 	c.sink = sink
 }
 
-// alloc returns a node out of the list and the table: a new one while the
-// cache has room, else the least recently used one, evicted.
+// alloc returns a node at the front of the list, out of the table: a new
+// one while the cache has room, else the least recently used one, evicted.
 func (c *blockCache) alloc() int32 {
-	if len(c.nodes) < c.capacity {
-		if len(c.nodes) == cap(c.nodes) {
+	if len(c.hashes) < c.capacity {
+		if len(c.hashes) == cap(c.hashes) {
 			// Grow by doubling, but never past the capacity: the slab
 			// is the largest part of a full cache.
-			nc := min(c.capacity, max(2*cap(c.nodes), 256))
-			c.nodes = append(make([]cacheNode, 0, nc), c.nodes...)
+			nc := min(c.capacity, max(2*cap(c.hashes), 256))
+			c.hashes = append(make([]BlockHash, 0, nc), c.hashes...)
+			c.list.Grow(nc - len(c.hashes))
 		}
-		c.nodes = append(c.nodes, cacheNode{})
-		return int32(len(c.nodes) - 1)
+		n, _ := c.list.Alloc()
+		c.hashes = append(c.hashes, 0)
+		return n
 	}
-	n := c.tail
-	c.unlink(n)
-	c.index.del(c.nodes[n].hash)
+	n := c.list.Tail()
+	c.list.Touch(n)
+	c.index.del(c.hashes[n])
 	return n
-}
-
-func (c *blockCache) moveToFront(n int32) {
-	if c.head == n {
-		return
-	}
-	c.unlink(n)
-	c.pushFront(n)
-}
-
-func (c *blockCache) unlink(n int32) {
-	nd := &c.nodes[n]
-	if nd.prev >= 0 {
-		c.nodes[nd.prev].next = nd.next
-	} else {
-		c.head = nd.next
-	}
-	if nd.next >= 0 {
-		c.nodes[nd.next].prev = nd.prev
-	} else {
-		c.tail = nd.prev
-	}
-	nd.prev, nd.next = -1, -1
-}
-
-func (c *blockCache) pushFront(n int32) {
-	nd := &c.nodes[n]
-	nd.prev, nd.next = -1, c.head
-	if c.head >= 0 {
-		c.nodes[c.head].prev = n
-	}
-	c.head = n
-	if c.tail < 0 {
-		c.tail = n
-	}
 }
 
 // order returns the cached hashes from most to least recently used (tests).
 func (c *blockCache) order() []BlockHash {
 	var out []BlockHash
-	for n := c.head; n >= 0; n = c.nodes[n].next {
-		out = append(out, c.nodes[n].hash)
+	for n := c.list.Head(); n >= 0; n = c.list.Next(n) {
+		out = append(out, c.hashes[n])
 	}
 	return out
 }

@@ -1,6 +1,9 @@
 package simengine
 
-import "math/bits"
+import (
+	"math/bits"
+	"sync"
+)
 
 // Token is a token id. Ids come from hashing the token's bytes (see
 // Tokenize), so there is no vocabulary file and any text has ids.
@@ -62,36 +65,19 @@ func Tokenize(dst []Token, text string) []Token {
 	return dst
 }
 
-// CountTokens returns len(Tokenize(nil, text)) without allocating.
-//
-// Its loop repeats Tokenize's on purpose: sharing a per-token function (too
-// big for the compiler to inline) or one loop with an ids flag made counting
-// about a quarter slower.
+// tokenBufs holds CountTokens' buffers.
+var tokenBufs = sync.Pool{New: func() any { return new([]Token) }}
+
+// CountTokens returns len(Tokenize(nil, text)). It tokenizes into a pooled
+// buffer, so it allocates nothing once warm.
 func CountTokens(text string) int {
-	count, i, n := 0, 0, len(text)
-	for i < n {
-		start := i
-		switch c := text[i]; {
-		case isSpace(c):
-		case c == '<' && i+1 < n && text[i+1] == '|':
-			if j := specialEnd(text, i); j > 0 {
-				i = j
-			} else {
-				i++
-			}
-		case isWord(c):
-			for i < n && i-start < maxChunk && isWord(text[i]) {
-				i++
-			}
-		default:
-			i++
-		}
-		for i < n && isSpace(text[i]) {
-			i++
-		}
-		count++
+	bp := tokenBufs.Get().(*[]Token)
+	*bp = Tokenize((*bp)[:0], text)
+	n := len(*bp)
+	if cap(*bp) <= 1<<16 {
+		tokenBufs.Put(bp) // an outsized buffer is not kept
 	}
-	return count
+	return n
 }
 
 // specialEnd returns the index just past a special token starting at i, or 0.

@@ -18,11 +18,13 @@ import (
 // runBench compares routing policies on one workload and prints the table
 // (or JSON) for each scenario asked for.
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	if auditScenario(args) {
-		return runBenchAudit(ctx, args, stdout, stderr)
-	}
-	if chaosScenario(args) {
+	switch liveScenario(args) {
+	case "chaos":
 		return runBenchChaos(ctx, args, stdout, stderr)
+	case "soak":
+		return runBenchSoak(ctx, args, stdout, stderr)
+	case "audit":
+		return runBenchAudit(ctx, args, stdout, stderr)
 	}
 	if rest, ok := cutOverhead(args); ok {
 		return runOverhead(ctx, rest, stdout, stderr)
@@ -83,7 +85,7 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.StringVar(&policies, "policies", "all", "comma-separated `policies`: sticky, round-robin, random, least-loaded, consistent-hash, sglang, dualmap, prefix-hash, or all")
 	fs.StringVar(&cfg.Keys, "keys", "", "whether clients send session keys: with, without, or both side by side (default: chat with, trace replays without, inferring no sessions)")
 	fs.BoolVar(&cfg.NoPooled, "no-pooled", false, "skip the pooled bound (one engine with all caches together), an extra simulation")
-	fs.StringVar(&scenarios, "scenario", "steady", "comma-separated `scenarios`: steady, degraded, failure, join, skew, or all; or chaos alone (real processes, see --scenario chaos -h)")
+	fs.StringVar(&scenarios, "scenario", "steady", "comma-separated `scenarios`: steady, degraded, failure, join, skew, or all; or chaos or soak alone (real processes, see --scenario chaos -h, --scenario soak -h)")
 	fs.IntVar(&cfg.Engines, "engines", 4, "number of engines, each with its agent")
 	fs.IntVar(&cfg.Relays, "relays", 0, "relays the requests are spread over at random (sim: schedulers sharing session bindings as relays do; live: real relays, every agent joined to all; 0: one relay, live on the classic cluster)")
 	fs.DurationVar(&cfg.PeerDelay, "peer-delay", 0, "sim: model time a session binding takes to reach the other relays (default 15ms)")

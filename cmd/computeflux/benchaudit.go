@@ -13,21 +13,6 @@ import (
 	"github.com/computeflux/computeflux/cmd/computeflux/internal/chaos"
 )
 
-// auditScenario reports whether a bench command line asks for the audit
-// scenario (real processes, like chaos).
-func auditScenario(args []string) bool {
-	for i, a := range args {
-		v, ok := strings.CutPrefix(strings.TrimLeft(a, "-"), "scenario=")
-		if !ok && strings.TrimLeft(a, "-") == "scenario" && i+1 < len(args) {
-			v, ok = args[i+1], true
-		}
-		if ok && v == "audit" {
-			return true
-		}
-	}
-	return false
-}
-
 // runBenchAudit runs the audit scenario: this binary as a relay, sim
 // engines and agents (and llama.cpp engines when installed), some agents
 // serving another model under the claimed name; it prints who served what
@@ -40,26 +25,17 @@ func auditScenario(args []string) bool {
 //	collusion  1 honest agent and 2 liars: consensus alone, then with an
 //	           operator's reference
 func runBenchAudit(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	var scenario, parts string
+	var parts string
 	var quiet, noLlama bool
 	cfg := chaos.AuditConfig{}
-	fs := flag.NewFlagSet("bench --scenario audit", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.StringVar(&scenario, "scenario", "audit", "audit")
+	fs := liveFlagSet("audit", stderr, &quiet)
 	fs.StringVar(&parts, "parts", "catch,honest,collusion", "comma-separated `parts`: catch, honest, collusion")
 	fs.DurationVar(&cfg.Duration, "duration", 10*time.Minute, "load of the honest part (catch: a fifth of it, at least 2m; collusion: a tenth, at least 1m)")
 	fs.IntVar(&cfg.Workers, "clients", 4, "concurrent clients")
 	fs.BoolVar(&noLlama, "no-llama", false, "leave out the llama.cpp engines")
-	fs.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("bench: unexpected arguments %q", fs.Args())
-	}
-	bin, err := os.Executable()
+	bin, err := parseLive(fs, args)
 	if err != nil {
-		return fmt.Errorf("bench: audit: %w", err)
+		return err
 	}
 	cfg.Binary = bin
 	if !quiet {

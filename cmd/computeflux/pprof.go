@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/pprof"
+	"os"
 	"time"
 )
 
@@ -16,7 +17,8 @@ import (
 const envPprof = "COMPUTEFLUX_PPROF"
 
 // servePprof serves the pprof handlers on addr, which must be a loopback
-// address; "" serves nothing. The listener lives as long as the process.
+// address (port 0 picks one), and says where on stderr; "" serves nothing.
+// The listener lives as long as the process.
 func servePprof(addr string) error {
 	if addr == "" {
 		return nil
@@ -28,6 +30,9 @@ func servePprof(addr string) error {
 	if err != nil {
 		return fmt.Errorf("pprof: %w", err)
 	}
+	// Said on stderr, where the process's logs go: with port 0 this is the
+	// only way to learn it.
+	fmt.Fprintf(os.Stderr, "computeflux: pprof on http://%s/debug/pprof/\n", ln.Addr())
 	// Our own mux: the relay and the agent never serve http.DefaultServeMux,
 	// but nothing here relies on that.
 	mux := http.NewServeMux()

@@ -64,6 +64,9 @@ type Config struct {
 	APIKey string
 	// Token is the agents' join secret. Empty means a random one.
 	Token []byte
+	// AdminKey, when set, serves the relay's admin API and status page on
+	// a free loopback port (Cluster.Relay().AdminAddr()). Empty means none.
+	AdminKey string
 	// Dir holds the relay's and agents' identity files. Empty means a
 	// temporary directory removed by Close.
 	Dir string
@@ -215,6 +218,8 @@ func (c *Cluster) startRelay() error {
 		Policy:       c.cfg.Policy,
 		Scheduler:    c.cfg.Scheduler,
 		MaxAttempts:  c.cfg.MaxAttempts,
+		AdminKey:     c.cfg.AdminKey,
+		AdminListen:  "127.0.0.1:0",
 		// Benchmarks and tests stop the relay with requests in flight only
 		// on purpose; waiting for them gains nothing.
 		ShutdownTimeout: time.Second,

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -51,10 +52,8 @@ func ParseScenario(s string) (Scenario, error) {
 	if s == "" {
 		return ScenarioSteady, nil
 	}
-	for i, n := range scenarioNames {
-		if n == s {
-			return Scenario(i), nil
-		}
+	if i := slices.Index(scenarioNames[:], s); i >= 0 {
+		return Scenario(i), nil
 	}
 	return 0, fmt.Errorf("unknown scenario %q (want one of %s)", s, strings.Join(scenarioNames[:], ", "))
 }

@@ -8,21 +8,23 @@
 // whether the restarted agent is back in the relay's routing table and
 // serves: new sessions, then requests it alone may take (the relay's admin
 // API drains the others for them).
+//
+// Soak runs the same kind of cluster under many concurrent clients for
+// minutes (soak.go): every answer checked, every process watched for
+// panics, heap, goroutines and CPU per request for growth.
 package chaos
 
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -82,27 +84,13 @@ type Config struct {
 }
 
 func (c *Config) populate() {
-	if c.Agents == 0 {
-		c.Agents = DefaultAgents
-	}
-	if c.Workers == 0 {
-		c.Workers = DefaultWorkers
-	}
-	if c.Freeze == 0 {
-		c.Freeze = DefaultFreeze
-	}
-	if c.TimeScale == 0 {
-		c.TimeScale = DefaultTimeScale
-	}
-	if c.MaxTokens == 0 {
-		c.MaxTokens = DefaultMaxTokens
-	}
-	if c.RequestTimeout == 0 {
-		c.RequestTimeout = DefaultReqTimeout
-	}
-	if c.RestartChecks == 0 {
-		c.RestartChecks = DefaultRestartChk
-	}
+	c.Agents = cmp.Or(c.Agents, DefaultAgents)
+	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
+	c.Freeze = cmp.Or(c.Freeze, DefaultFreeze)
+	c.TimeScale = cmp.Or(c.TimeScale, DefaultTimeScale)
+	c.MaxTokens = cmp.Or(c.MaxTokens, DefaultMaxTokens)
+	c.RequestTimeout = cmp.Or(c.RequestTimeout, DefaultReqTimeout)
+	c.RestartChecks = cmp.Or(c.RestartChecks, DefaultRestartChk)
 }
 
 // Request is the fate of one request.
@@ -158,6 +146,8 @@ type Result struct {
 	// Events are the relay's log lines about the killed and frozen agents
 	// during the load, with their time since the load began.
 	Events []string
+	// Panics are the panics any process reported (see cluster.panics).
+	Panics []string
 }
 
 // Counts tallies the requests by stream and cause.
@@ -222,26 +212,23 @@ func (r *Result) Write(w io.Writer) {
 	}
 	fmt.Fprintf(w, "  restarted agent: %s; served %d requests of the load after the restart, %d of %d new sessions, %d of %d with the others drained\n",
 		back, r.RestartedLoad, r.RestartedFresh, r.FreshSent, served, len(r.Checks))
+	writePanics(w, r.Panics)
 }
 
-// cluster is the running processes.
-type cluster struct {
-	cfg      Config
-	dir      string
-	key      string
-	adminKey string
-	relay    *proc
-	relayURL string
-	adminURL string
-	relayMA  string
-	engines  []*proc
-	engURL   []string
-	agents   []*proc
-}
-
-func (c *cluster) progress(format string, a ...any) {
-	if c.cfg.Progress != nil {
-		fmt.Fprintf(c.cfg.Progress, "chaos: "+format+"\n", a...)
+// writePanics prints the panics a run saw (each distinct line once, with
+// its count), or that there were none.
+func writePanics(w io.Writer, panics []string) {
+	fmt.Fprintf(w, "  panics in any process: %d\n", len(panics))
+	count := map[string]int{}
+	var order []string
+	for _, p := range panics {
+		if count[p] == 0 {
+			order = append(order, p)
+		}
+		count[p]++
+	}
+	for _, p := range order {
+		fmt.Fprintf(w, "    %dx %s\n", count[p], p)
 	}
 }
 
@@ -256,15 +243,21 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	if cfg.Agents < 3 {
 		return nil, fmt.Errorf("chaos: %d agents: need at least 3", cfg.Agents)
 	}
-	c := &cluster{cfg: cfg, dir: cfg.Dir}
-	if c.dir == "" {
+	dir := cfg.Dir
+	if dir == "" {
 		d, err := os.MkdirTemp("", "computeflux-chaos-")
 		if err != nil {
 			return nil, err
 		}
 		defer os.RemoveAll(d)
-		c.dir = d
+		dir = d
 	}
+	c := &chaosRun{cfg: cfg, cluster: newCluster(clusterSpec{
+		Name: "chaos", Binary: cfg.Binary, Dir: dir, Agents: cfg.Agents,
+		EngineArgs: []string{"--time-scale", fmt.Sprint(cfg.TimeScale)},
+		AgentArgs:  []string{"--drain-timeout", "2s"},
+		Progress:   cfg.Progress, Echo: cfg.Echo,
+	})}
 	defer c.stop()
 	if err := c.start(); err != nil {
 		return nil, err
@@ -272,102 +265,10 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	return c.run(ctx)
 }
 
-func randomHex(n int) string {
-	b := make([]byte, n)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
-}
-
-func (c *cluster) start() error {
-	c.key = "sk-cf-" + randomHex(16)
-	c.adminKey = randomHex(16)
-	token := filepath.Join(c.dir, "token")
-	keys := filepath.Join(c.dir, "keys")
-	adminKey := filepath.Join(c.dir, "admin-key")
-	if err := os.WriteFile(token, []byte(randomHex(32)), 0o600); err != nil {
-		return err
-	}
-	if err := os.WriteFile(keys, []byte(c.key+"\n"), 0o600); err != nil {
-		return err
-	}
-	if err := os.WriteFile(adminKey, []byte(c.adminKey+"\n"), 0o600); err != nil {
-		return err
-	}
-	addrFile := filepath.Join(c.dir, "relay.addrs")
-	var err error
-	c.relay, err = start("relay", c.cfg.Binary, c.cfg.Echo, "relay",
-		"--listen", "127.0.0.1:0", "--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1",
-		"--identity", filepath.Join(c.dir, "relay.key"), "--token-file", token, "--api-keys-file", keys,
-		"--addr-file", addrFile, "--admin-listen", "127.0.0.1:0", "--admin-key-file", adminKey, "--log-format", "json")
-	if err != nil {
-		return err
-	}
-	l, err := c.relay.waitLog(startTimeout, func(l logLine) bool { return l.str("message") == "relay http listening" })
-	if err != nil {
-		return err
-	}
-	c.relayURL = "http://" + l.str("addr")
-	l, err = c.relay.waitLog(startTimeout, func(l logLine) bool { return l.str("message") == "relay admin listening" })
-	if err != nil {
-		return err
-	}
-	c.adminURL = "http://" + l.str("addr")
-	b, err := os.ReadFile(addrFile)
-	if err != nil {
-		return fmt.Errorf("chaos: relay addr file: %w", err)
-	}
-	c.relayMA = strings.TrimSpace(strings.Split(string(b), "\n")[0])
-	for i := range c.cfg.Agents {
-		e, err := start(fmt.Sprintf("engine-%d", i), c.cfg.Binary, c.cfg.Echo, "sim-engine",
-			"--listen", "127.0.0.1:0", "--time-scale", fmt.Sprint(c.cfg.TimeScale), "--log-format", "json")
-		if err != nil {
-			return err
-		}
-		c.engines = append(c.engines, e)
-		l, err := e.waitLog(startTimeout, func(l logLine) bool { return l.str("message") == "sim engine serving" })
-		if err != nil {
-			return err
-		}
-		c.engURL = append(c.engURL, l.str("url"))
-	}
-	for i := range c.cfg.Agents {
-		c.agents = append(c.agents, nil)
-		if _, err := c.startAgent(i); err != nil {
-			return err
-		}
-	}
-	c.progress("relay %s, %d engines and agents up", c.relayURL, c.cfg.Agents)
-	return nil
-}
-
-func agentName(i int) string { return fmt.Sprintf("agent-%d", i) }
-
-// startAgent starts agent i on its identity and waits for the relay to
-// log its join, returning when it did.
-func (c *cluster) startAgent(i int) (time.Time, error) {
-	since := time.Now()
-	a, err := start(agentName(i), c.cfg.Binary, c.cfg.Echo, "agent",
-		"--relay", c.relayMA, "--token-file", filepath.Join(c.dir, "token"), "--upstream", c.engURL[i],
-		"--name", agentName(i), "--identity", filepath.Join(c.dir, agentName(i)+".key"),
-		"--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1", "--drain-timeout", "2s", "--log-format", "json")
-	if err != nil {
-		return time.Time{}, err
-	}
-	c.agents[i] = a
-	l, err := c.relay.waitLog(startTimeout, func(l logLine) bool {
-		return l.at.After(since) && l.str("message") == "agent joined" && l.str("agent") == agentName(i)
-	})
-	return l.at, err
-}
-
-func (c *cluster) stop() {
-	var wg sync.WaitGroup
-	for _, p := range append(append([]*proc{c.relay}, c.agents...), c.engines...) {
-		if p != nil {
-			wg.Go(func() { p.stop(5 * time.Second) })
-		}
-	}
-	wg.Wait()
+// chaosRun is one chaos run on its cluster.
+type chaosRun struct {
+	*cluster
+	cfg Config
 }
 
 // out is the relay's log messages that take an agent out of normal
@@ -381,7 +282,7 @@ var out = map[string]bool{
 
 // detected returns the first relay log line after since that takes agent
 // name out of normal routing, and the first that says gossip found it dead.
-func (c *cluster) detected(name string, since time.Time) (first, gossipDead time.Duration) {
+func (c *chaosRun) detected(name string, since time.Time) (first, gossipDead time.Duration) {
 	for _, l := range c.relay.logs() {
 		if !l.at.After(since) || l.str("agent") != name {
 			continue
@@ -405,7 +306,7 @@ func (c *cluster) detected(name string, since time.Time) (first, gossipDead time
 // routableAgain returns the time from since to the relay's first log line
 // that puts agent name back into normal routing (it answers probes again,
 // or gossip sees it alive and routable), or zero.
-func (c *cluster) routableAgain(name string, since time.Time) time.Duration {
+func (c *chaosRun) routableAgain(name string, since time.Time) time.Duration {
 	for _, l := range c.relay.logs() {
 		if !l.at.After(since) || l.str("agent") != name {
 			continue
@@ -419,7 +320,7 @@ func (c *cluster) routableAgain(name string, since time.Time) time.Duration {
 	return 0
 }
 
-func (c *cluster) run(ctx context.Context) (*Result, error) {
+func (c *chaosRun) run(ctx context.Context) (*Result, error) {
 	res := &Result{}
 	tr := &http.Transport{MaxIdleConnsPerHost: c.cfg.Workers}
 	defer tr.CloseIdleConnections()
@@ -518,6 +419,7 @@ func (c *cluster) run(ctx context.Context) (*Result, error) {
 		}
 	}
 	slices.SortFunc(res.Requests, func(a, b Request) int { return int(a.Start - b.Start) })
+	res.Panics = c.panics(ctx, client)
 	if startErr != nil {
 		return res, startErr
 	}
@@ -531,7 +433,7 @@ func (c *cluster) run(ctx context.Context) (*Result, error) {
 // restarted agent i shows "ok", for at most backTimeout, and notes when.
 // Errors are about the run (the admin API failing); what the agent did is
 // in res.
-func (c *cluster) waitRoutable(ctx context.Context, client *http.Client, i int, joinedAt time.Time, res *Result) error {
+func (c *chaosRun) waitRoutable(ctx context.Context, client *http.Client, i int, joinedAt time.Time, res *Result) error {
 	name := agentName(i)
 	for deadline := time.Now().Add(backTimeout); ; {
 		rows, err := c.table(ctx, client)
@@ -565,7 +467,7 @@ func (c *cluster) waitRoutable(ctx context.Context, client *http.Client, i int, 
 // agent i serves: new sessions may land on it, and with every other agent
 // drained (the admin API) requests reach it and it answers them. Errors
 // are about the run (the admin API failing); what the agent did is in res.
-func (c *cluster) checkRestarted(ctx context.Context, client *http.Client, i int, loadStart time.Time, res *Result) error {
+func (c *chaosRun) checkRestarted(ctx context.Context, client *http.Client, i int, loadStart time.Time, res *Result) error {
 	name := agentName(i)
 	for n := range freshSessions {
 		q := c.request(ctx, client, fmt.Sprintf("fresh-%d", n), false, 0, loadStart)
@@ -606,55 +508,8 @@ func (c *cluster) checkRestarted(ctx context.Context, client *http.Client, i int
 	return nil
 }
 
-// adminRow is the part of a routing table row (relay.TableRow) read here.
-type adminRow struct {
-	Name  string `json:"name"`
-	State string `json:"state"`
-}
-
-// table returns the relay's routing table from its admin API.
-func (c *cluster) table(ctx context.Context, client *http.Client) ([]adminRow, error) {
-	var out struct {
-		Endpoints []adminRow `json:"endpoints"`
-	}
-	err := c.adminDo(ctx, client, http.MethodGet, "/admin/v1/endpoints", &out)
-	return out.Endpoints, err
-}
-
-// admin applies an admin action to endpoint name.
-func (c *cluster) admin(ctx context.Context, client *http.Client, name, action string) error {
-	return c.adminDo(ctx, client, http.MethodPost, "/admin/v1/endpoints/"+name+"/"+action, nil)
-}
-
-func (c *cluster) adminDo(ctx context.Context, client *http.Client, method, path string, into any) error {
-	req, err := http.NewRequestWithContext(ctx, method, c.adminURL+path, nil)
-	if err != nil {
-		return err
-	}
-	req.Header.Set("Authorization", "Bearer "+c.adminKey)
-	resp, err := client.Do(req)
-	if err != nil {
-		return fmt.Errorf("chaos: admin %s %s: %w", method, path, err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	if err != nil {
-		return fmt.Errorf("chaos: admin %s %s: %w", method, path, err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("chaos: admin %s %s: status %d: %s", method, path, resp.StatusCode, b)
-	}
-	if into == nil {
-		return nil
-	}
-	if err := json.Unmarshal(b, into); err != nil {
-		return fmt.Errorf("chaos: admin %s %s: %w", method, path, err)
-	}
-	return nil
-}
-
 // request sends one chat turn and classifies how it ended.
-func (c *cluster) request(ctx context.Context, client *http.Client, session string, stream bool, turn int, loadStart time.Time) Request {
+func (c *chaosRun) request(ctx context.Context, client *http.Client, session string, stream bool, turn int, loadStart time.Time) Request {
 	body, _ := json.Marshal(map[string]any{
 		"model": "computeflux-sim", "stream": stream, "max_tokens": c.cfg.MaxTokens,
 		"messages": []map[string]string{{"role": "user", "content": fmt.Sprintf("session %s turn %d: tell me about home GPUs", session, turn)}},

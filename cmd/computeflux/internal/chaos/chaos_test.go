@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -47,7 +48,7 @@ func runMain(m *testing.M) int {
 // OpenAI error event, no stream may carry two completions, nothing may
 // hang. The restarted agent must be back: "ok" in the relay's routing
 // table, given new sessions, and serving every request sent while the
-// others are drained.
+// others are drained. No process may panic (recovered or not).
 func TestChaosRealProcesses(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs the computeflux binary as processes")
@@ -87,6 +88,9 @@ func TestChaosRealProcesses(t *testing.T) {
 	}
 	if served < 50 {
 		t.Fatalf("only %d requests served: the load did not run", served)
+	}
+	for _, p := range res.Panics {
+		t.Errorf("panic: %s", p)
 	}
 	if res.KillDetect == 0 || res.FreezeDetect == 0 {
 		t.Errorf("the relay did not notice a fault: kill %v, freeze %v", res.KillDetect, res.FreezeDetect)
@@ -133,6 +137,59 @@ const (
 	busySilentAfter   = 1500 * time.Millisecond
 	detectBound       = busySilentAfter + 4*busyProbeInterval
 )
+
+// TestSoak runs the soak (soak.go) when COMPUTEFLUX_SOAK is set: one relay,
+// four agents, sim engines at real time with 256 batch slots, 1,000
+// clients for 10 minutes (COMPUTEFLUX_SOAK_CLIENTS and
+// COMPUTEFLUX_SOAK_DURATION change them), one agent restarted midway,
+// then a round-robin run. It fails on any broken answer or failed
+// request, any panic in any process, heap or goroutines of the relay or of
+// the agents together moving more than 10% after the warm-up, the relay's CPU per
+// request growing, or a cache hit ratio no better than round-robin's.
+//
+//	COMPUTEFLUX_SOAK=1 go test -run TestSoak -timeout 40m -v ./cmd/computeflux/internal/chaos/
+func TestSoak(t *testing.T) {
+	if os.Getenv("COMPUTEFLUX_SOAK") == "" {
+		t.Skip("set COMPUTEFLUX_SOAK=1 to run the soak (minutes of load through real processes)")
+	}
+	if testing.Short() {
+		t.Skip("runs the computeflux binary as processes")
+	}
+	cfg := SoakConfig{Binary: binary, Progress: testWriter{t}}
+	if v := os.Getenv("COMPUTEFLUX_SOAK_CLIENTS"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			t.Fatalf("COMPUTEFLUX_SOAK_CLIENTS: %v", err)
+		}
+		cfg.Clients = n
+	}
+	if v := os.Getenv("COMPUTEFLUX_SOAK_DURATION"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			t.Fatalf("COMPUTEFLUX_SOAK_DURATION: %v", err)
+		}
+		cfg.Duration = d
+		if d < 4*DefaultSoakWarmup {
+			cfg.Warmup = d / 4
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*max(cfg.Duration, DefaultSoakDuration)+5*time.Minute)
+	defer cancel()
+	rep, err := Soak(ctx, cfg)
+	if rep != nil {
+		var sb strings.Builder
+		rep.Write(&sb)
+		for _, l := range strings.Split(strings.TrimSpace(sb.String()), "\n") {
+			t.Log(l)
+		}
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range rep.Failures() {
+		t.Error(f)
+	}
+}
 
 type testWriter struct{ t *testing.T }
 

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -29,19 +30,46 @@ func (l logLine) str(k string) string {
 type proc struct {
 	name string
 	cmd  *exec.Cmd
+	keep func(logLine) bool
 	done chan struct{} // closed when the process was reaped
-	err  error         // Wait's error, set before done closes
+	// ended is set when we stop or kill the process: an exit without it
+	// is the process's own doing.
+	ended atomic.Bool
+	err   error // Wait's error, set before done closes
 
-	mu    sync.Mutex // guards lines and subs
-	lines []logLine
-	subs  []chan logLine
+	mu     sync.Mutex // guards the following fields
+	lines  []logLine
+	subs   []chan logLine
+	raw    []string // lines that are not JSON, the last maxRaw
+	panics []string // lines that report a panic, the first maxPanics
 }
 
-// start runs bin with args; its stdout and stderr (JSON logs) are read
-// into the proc, and copied to echo when not nil.
-func start(name, bin string, echo io.Writer, args ...string) (*proc, error) {
+const (
+	maxRaw    = 256
+	maxPanics = 64
+)
+
+// panicMessage is the message of the log line transport.ServerLog writes
+// for a panic net/http recovered.
+const panicMessage = "recovered a panic serving a request"
+
+// procOptions are start's optional settings.
+type procOptions struct {
+	// Echo receives the process's output lines, prefixed with its name.
+	Echo io.Writer
+	// Env is added to the environment.
+	Env []string
+	// Keep, if set, says which JSON lines to keep for logs and waitLog;
+	// lines reporting a panic are noted whatever it says.
+	Keep func(logLine) bool
+}
+
+// startWith runs bin with args; its stdout and stderr (JSON logs) are read
+// into the proc, and copied to opts.Echo when not nil.
+func startWith(name, bin string, opts procOptions, args ...string) (*proc, error) {
+	echo := opts.Echo
 	cmd := exec.Command(bin, args...)
-	cmd.Env = childEnv()
+	cmd.Env = append(childEnv(), opts.Env...)
 	out, err := cmd.StderrPipe()
 	if err != nil {
 		return nil, err
@@ -50,7 +78,7 @@ func start(name, bin string, echo io.Writer, args ...string) (*proc, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("chaos: start %s: %w", name, err)
 	}
-	p := &proc{name: name, cmd: cmd, done: make(chan struct{})}
+	p := &proc{name: name, cmd: cmd, keep: opts.Keep, done: make(chan struct{})}
 	go func() {
 		sc := bufio.NewScanner(out)
 		sc.Buffer(make([]byte, 64<<10), 1<<20)
@@ -61,6 +89,7 @@ func start(name, bin string, echo io.Writer, args ...string) (*proc, error) {
 			}
 			var f map[string]any
 			if json.Unmarshal(b, &f) != nil {
+				p.addRaw(string(b))
 				continue
 			}
 			p.add(logLine{at: time.Now(), fields: f})
@@ -83,9 +112,36 @@ func childEnv() []string {
 	return env
 }
 
+// addRaw records a line that is not JSON: a crash's "panic: ..." and
+// "fatal error: ...", or net/http's own "http: panic serving ..." from a
+// server without an ErrorLog, are panics.
+func (p *proc) addRaw(s string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if strings.HasPrefix(s, "panic: ") || strings.HasPrefix(s, "fatal error: ") || strings.Contains(s, ": panic serving ") {
+		p.notePanicLocked(s)
+	}
+	if len(p.raw) == maxRaw {
+		p.raw = p.raw[1:]
+	}
+	p.raw = append(p.raw, s)
+}
+
+func (p *proc) notePanicLocked(s string) {
+	if len(p.panics) < maxPanics {
+		p.panics = append(p.panics, s)
+	}
+}
+
 func (p *proc) add(l logLine) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if l.str("message") == panicMessage {
+		p.notePanicLocked(fmt.Sprintf("%s: %v (%v)", panicMessage, l.fields["panic"], l.fields["remote"]))
+	}
+	if p.keep != nil && !p.keep(l) {
+		return
+	}
 	p.lines = append(p.lines, l)
 	for _, c := range p.subs {
 		select {
@@ -134,6 +190,31 @@ func (p *proc) waitLog(d time.Duration, match func(logLine) bool) (logLine, erro
 	}
 }
 
+// rawLines returns the last lines read that were not JSON.
+func (p *proc) rawLines() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.raw...)
+}
+
+// panicked returns the lines read so far that report a panic.
+func (p *proc) panicked() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.panics...)
+}
+
+// exitedAlone reports whether the process ended without being stopped or
+// killed, and Wait's error.
+func (p *proc) exitedAlone() (bool, error) {
+	select {
+	case <-p.done:
+		return !p.ended.Load(), p.err
+	default:
+		return false, nil
+	}
+}
+
 // logs returns the lines read so far.
 func (p *proc) logs() []logLine {
 	p.mu.Lock()
@@ -151,6 +232,7 @@ func (p *proc) stop(grace time.Duration) {
 		return
 	default:
 	}
+	p.ended.Store(true)
 	_ = p.signal(syscall.SIGCONT)
 	_ = p.signal(syscall.SIGTERM)
 	select {
@@ -163,6 +245,7 @@ func (p *proc) stop(grace time.Duration) {
 
 // kill sends SIGKILL and reaps the process.
 func (p *proc) kill() {
+	p.ended.Store(true)
 	_ = p.signal(syscall.SIGKILL)
 	<-p.done
 }
