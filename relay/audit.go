@@ -908,15 +908,42 @@ func (a *auditor) release(agent, model string) bool {
 	return ch == audit.Released
 }
 
-// quarantined returns the pairs in quarantine, for the status page.
-func (a *auditor) quarantined() []map[string]any {
+// QuarantineRow is one agent quarantined for a model, with its evidence,
+// as the status page shows it.
+type QuarantineRow struct {
+	Agent string    `json:"agent"`
+	Model string    `json:"model"`
+	Since time.Time `json:"since"`
+	// ByOperator is true for a quarantine by hand; Reason is then the
+	// operator's.
+	ByOperator bool `json:"by_operator"`
+	// Audit is the ID of the convicting audit (its log line and admin
+	// record), Against the reference it was compared with, Reason what
+	// differed.
+	Audit   string `json:"audit,omitempty"`
+	Against string `json:"against,omitempty"`
+	Reason  string `json:"reason"`
+	// Audits and Agreements are the pair's conclusive audits and the clean
+	// ones among them.
+	Audits     int `json:"audits"`
+	Agreements int `json:"agreements"`
+	// Clean counts clean re-audits since the conviction; NextAudit is when
+	// the next is due.
+	Clean     int       `json:"clean_reaudits"`
+	NextAudit time.Time `json:"next_audit"`
+}
+
+// quarantined returns the pairs in quarantine, for the status page and
+// the metrics.
+func (a *auditor) quarantined() []QuarantineRow {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	var out []map[string]any
+	var out []QuarantineRow
 	for _, s := range a.book.Standings() {
 		if q := s.Quarantine; q != nil {
-			out = append(out, map[string]any{"agent": s.Agent, "model": s.Model, "since": q.Since,
-				"by_operator": q.ByOperator, "audit": q.Convicted.Audit, "reason": q.Convicted.Reason})
+			out = append(out, QuarantineRow{Agent: s.Agent, Model: s.Model, Since: q.Since, ByOperator: q.ByOperator,
+				Audit: q.Convicted.Audit, Against: q.Convicted.Against, Reason: q.Convicted.Reason,
+				Audits: s.Audits, Agreements: s.Agreements, Clean: q.Clean, NextAudit: q.NextAudit})
 		}
 	}
 	return out
@@ -1020,6 +1047,31 @@ func newAuditMetrics(a *auditor) *auditMetrics {
 		Name: "computeflux_agents_quarantined",
 		Help: "Agent and model pairs in quarantine now.",
 	}, func() float64 { return float64(len(a.quarantined())) })
-	a.r.metrics.reg.MustRegister(m.tokens, m.served, m.verdicts, m.findings, m.quarantines, share, quarantined)
+	a.r.metrics.reg.MustRegister(m.tokens, m.served, m.verdicts, m.findings, m.quarantines, share, quarantined,
+		quarantineCollector{a})
 	return m
+}
+
+// quarantineDesc is one series per pair in quarantine now (so bounded by
+// them): its value the Unix time it began, its audit label the convicting
+// audit's ID ("operator" for one by hand), which names the audit's log
+// line and its record in GET /admin/v1/audits.
+var quarantineDesc = prometheus.NewDesc("computeflux_agent_quarantined_since_seconds",
+	"An agent quarantined for a model: the Unix time it began; audit is the convicting audit's ID (operator: by hand).",
+	[]string{"agent", "model", "audit"}, nil)
+
+// quarantineCollector reports quarantineDesc.
+type quarantineCollector struct{ a *auditor }
+
+func (c quarantineCollector) Describe(ch chan<- *prometheus.Desc) { ch <- quarantineDesc }
+
+func (c quarantineCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, q := range c.a.quarantined() {
+		id := q.Audit
+		if q.ByOperator {
+			id = "operator"
+		}
+		ch <- prometheus.MustNewConstMetric(quarantineDesc, prometheus.GaugeValue,
+			float64(q.Since.UnixNano())/1e9, q.Agent, q.Model, id)
+	}
 }

@@ -10,6 +10,8 @@ import (
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -104,18 +106,24 @@ func sendTraffic(t testing.TB, rl *itRelay, n int) map[string]int {
 
 func auditStatus(t testing.TB, admin *httptest.Server) relay.AuditStatus {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodGet, admin.URL+"/admin/v1/audits", nil)
+	var st relay.AuditStatus
+	adminGet(t, admin, "/admin/v1/audits", &st)
+	return st
+}
+
+// adminGet decodes the admin API's JSON answer at path into v.
+func adminGet(t testing.TB, admin *httptest.Server, path string, v any) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, admin.URL+path, nil)
 	req.Header.Set("Authorization", "Bearer "+auditAdminKey)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	var st relay.AuditStatus
-	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
-		t.Fatal(err)
+	if err := json.NewDecoder(resp.Body).Decode(v); err != nil {
+		t.Fatalf("GET %s: %v", path, err)
 	}
-	return st
 }
 
 func standing(st relay.AuditStatus, agent string) (audit.Standing, bool) {
@@ -168,6 +176,13 @@ func TestAuditQuarantinesAnotherModel(t *testing.T) {
 			t.Errorf("honest-%d: %+v", i, h)
 		}
 	}
+	// The status page shows the quarantine with the convicting audit.
+	var page struct{ Quarantined []relay.QuarantineRow }
+	adminGet(t, admin, "/status.json", &page)
+	if len(page.Quarantined) != 1 || page.Quarantined[0].Agent != "liar" || page.Quarantined[0].Audit != liar.Quarantine.Convicted.Audit ||
+		page.Quarantined[0].Reason == "" || page.Quarantined[0].Against == "" {
+		t.Errorf("status page's quarantined: %+v", page.Quarantined)
+	}
 	if served := sendTraffic(t, rl, 40); served["liar"] != 0 {
 		t.Errorf("quarantined liar served %d of 40: %v", served["liar"], served)
 	}
@@ -212,7 +227,9 @@ func TestAuditQuarantinesAnotherModel(t *testing.T) {
 	}
 	mb, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	for _, want := range []string{"computeflux_agents_quarantined 2", `computeflux_audit_verdicts_total{outcome="disagree"}`, "computeflux_audit_tokens_total"} {
+	for _, want := range []string{"computeflux_agents_quarantined 2", `computeflux_audit_verdicts_total{outcome="disagree"}`, "computeflux_audit_tokens_total",
+		`computeflux_agent_quarantined_since_seconds{agent="honest-0",audit="operator",model="m1"}`,
+		`computeflux_agent_quarantined_since_seconds{agent="liar",audit="aud-`} {
 		if !strings.Contains(string(mb), want) {
 			t.Errorf("metrics lack %q", want)
 		}
@@ -452,5 +469,39 @@ func TestAuditLooksLikeTraffic(t *testing.T) {
 			ab.MaxTokens != 16 || ab.Temperature == nil || *ab.Temperature != 0 || size < 200 || size > 600 {
 			t.Errorf("audit body %s", a.body)
 		}
+	}
+}
+
+// TestAuditCollusion: two of three agents serve another model together.
+// With three agents no consensus can convict anyone (MinConsensus others
+// must agree), so only an operator's reference catches them: with the
+// honest one marked in the endpoints file, both liars are quarantined and
+// the reference keeps all its traffic.
+func TestAuditCollusion(t *testing.T) {
+	ef := filepath.Join(t.TempDir(), "endpoints.yaml")
+	if err := os.WriteFile(ef, []byte("agents:\n  - name: honest\n    reference: true\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	rl, admin := auditRelay(t, 200*time.Millisecond, ef)
+	startAgentFor(t, rl, "honest", simEngine(t, 1))
+	startAgentFor(t, rl, "liar-0", simEngine(t, 2))
+	startAgentFor(t, rl, "liar-1", simEngine(t, 2))
+	waitAgents(t, rl, "honest", "liar-0", "liar-1")
+	sendTraffic(t, rl, 4)
+	waitFor(t, "both liars quarantined", func() bool {
+		return rl.r.Scheduler().ModelWeight("liar-0", "m1") == 0 && rl.r.Scheduler().ModelWeight("liar-1", "m1") == 0
+	})
+	st := auditStatus(t, admin)
+	for _, name := range []string{"liar-0", "liar-1"} {
+		s, _ := standing(st, name)
+		if s.Quarantine == nil || s.Quarantine.Convicted.Against != "honest" {
+			t.Errorf("%s: %+v", name, s)
+		}
+	}
+	if s, ok := standing(st, "honest"); ok && (s.Quarantine != nil || s.Weight != 1) {
+		t.Errorf("the operator's reference: %+v", s)
+	}
+	if served := sendTraffic(t, rl, 20); served["honest"] != 20 {
+		t.Errorf("after the quarantines the reference served %v of 20", served)
 	}
 }
