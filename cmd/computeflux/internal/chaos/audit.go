@@ -1,7 +1,6 @@
 package chaos
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -110,9 +109,12 @@ type AuditAgent struct {
 	// Reason what it found.
 	Quarantined   time.Duration
 	Audit, Reason string
-	// ServedAfter counts the requests it served after its quarantine, of
-	// AllAfter requests for its model answered after it.
+	// ServedAfter counts the requests it served of the AllAfter requests
+	// for its model sent after its quarantine.
 	ServedAfter, AllAfter int
+	// Audits counts the audit rounds it took part in (as the subject or
+	// as one of the others its answer was compared with).
+	Audits int
 }
 
 // AuditResult is what RunAudit saw.
@@ -134,7 +136,7 @@ func (r *AuditResult) Write(w io.Writer) {
 	fmt.Fprintf(w, "  audit tokens %.0f of %.0f served (share %.4f); verdicts %v\n", r.AuditTokens, r.ServedTokens, r.Share, r.Verdicts)
 	for _, a := range r.Agents {
 		total := r.Answered[a.Model]
-		line := fmt.Sprintf("  %-12s %-5s %-9s served %4d (%5.1f%%)", a.Name, a.Model, a.Kind, a.Served, 100*float64(a.Served)/float64(max(total, 1)))
+		line := fmt.Sprintf("  %-18s %-5s %-9s served %4d (%5.1f%%), in %d audits", a.Name, a.Model, a.Kind, a.Served, 100*float64(a.Served)/float64(max(total, 1)), a.Audits)
 		if a.Quarantined > 0 {
 			line += fmt.Sprintf(", quarantined %v after its first request (%s), then served %d of %d", (a.Quarantined - max(a.First, 0)).Round(100*time.Millisecond), a.Audit, a.ServedAfter, a.AllAfter)
 		}
@@ -245,7 +247,7 @@ func (a *auditRun) start(ctx context.Context) error {
 	}
 	args = append(args, a.cfg.RelayArgs...)
 	var err error
-	if a.relay, err = start("relay", a.cfg.Binary, a.cfg.Echo, args...); err != nil {
+	if a.relay, err = startWith("relay", a.cfg.Binary, procOptions{Echo: a.cfg.Echo}, args...); err != nil {
 		return err
 	}
 	l, err := a.relay.waitLog(startTimeout, func(l logLine) bool { return l.str("message") == "relay http listening" })
@@ -280,7 +282,7 @@ func (a *auditRun) start(ctx context.Context) error {
 			a.llamas = append(a.llamas, e)
 			upstream = e.URL
 		} else {
-			e, err := start(m.Name+"-engine", a.cfg.Binary, a.cfg.Echo, "sim-engine", "--listen", "127.0.0.1:0",
+			e, err := startWith(m.Name+"-engine", a.cfg.Binary, procOptions{Echo: a.cfg.Echo}, "sim-engine", "--listen", "127.0.0.1:0",
 				"--model", SimModel, "--seed", strconv.FormatUint(m.seed, 10),
 				"--time-scale", fmt.Sprint(a.cfg.TimeScale), "--log-format", "json")
 			if err != nil {
@@ -294,7 +296,7 @@ func (a *auditRun) start(ctx context.Context) error {
 			upstream = l.str("url")
 		}
 		since := time.Now()
-		ag, err := start(m.Name, a.cfg.Binary, a.cfg.Echo, "agent", "--relay", a.relayMA, "--token-file", token,
+		ag, err := startWith(m.Name, a.cfg.Binary, procOptions{Echo: a.cfg.Echo}, "agent", "--relay", a.relayMA, "--token-file", token,
 			"--upstream", upstream, "--name", m.Name, "--identity", filepath.Join(a.dir, m.Name+".key"),
 			"--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1", "--drain-timeout", "2s", "--log-format", "json")
 		if err != nil {
@@ -325,8 +327,8 @@ func (a *auditRun) stop() {
 	wg.Wait()
 }
 
-// served is one answered request: when (since the load began), for which
-// model, by whom.
+// served is one answered request: when it was sent (since the load
+// began), for which model, by whom.
 type served struct {
 	at    time.Duration
 	model string
@@ -365,13 +367,14 @@ func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
 					return
 				default:
 				}
+				sent := time.Since(start)
 				agent, err := a.ask(ctx, client, model, rng, w%2 == 1)
 				mu.Lock()
 				if err != nil {
 					res.Failed[model]++
 				} else {
 					res.Answered[model]++
-					log = append(log, served{at: time.Since(start), model: model, agent: agent})
+					log = append(log, served{at: sent, model: model, agent: agent})
 				}
 				mu.Unlock()
 			}
@@ -385,19 +388,30 @@ func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
 	close(stop)
 	wg.Wait()
 	res.Wall = time.Since(start)
-	if err := a.readMetrics(res); err != nil {
+	if err := a.readMetrics(context.WithoutCancel(ctx), client, res); err != nil {
 		return res, err
 	}
-	// Quarantines from the relay's log.
+	// Quarantines and audits from the relay's log (a line is timed when
+	// read, after the relay changed the routing).
 	quarantined := map[string]logLine{}
+	audits := map[string]int{}
 	for _, l := range a.relay.logs() {
-		if l.str("message") == "agent quarantined for model" {
+		switch l.str("message") {
+		case "agent quarantined for model":
 			if _, ok := quarantined[l.str("agent")]; !ok {
 				quarantined[l.str("agent")] = l
+			}
+		case "audit":
+			// verdicts reads "name=outcome ..." for every participant.
+			for v := range strings.FieldsSeq(l.str("verdicts")) {
+				if name, _, ok := strings.Cut(v, "="); ok {
+					audits[name]++
+				}
 			}
 		}
 	}
 	for _, ag := range a.agents {
+		ag.Audits = audits[ag.Name]
 		if l, ok := quarantined[ag.Name]; ok && l.at.After(start) {
 			ag.Quarantined, ag.Audit, ag.Reason = l.at.Sub(start), l.str("audit"), l.str("reason")
 		}
@@ -463,34 +477,17 @@ func (a *auditRun) ask(ctx context.Context, client *http.Client, model string, r
 }
 
 // readMetrics reads the relay's audit counters.
-func (a *auditRun) readMetrics(res *AuditResult) error {
-	resp, err := http.Get(a.url + "/metrics")
+func (a *auditRun) readMetrics(ctx context.Context, client *http.Client, res *AuditResult) error {
+	m, err := fetchMetrics(ctx, client, a.url+"/metrics")
 	if err != nil {
 		return err
 	}
-	defer resp.Body.Close()
+	res.AuditTokens, res.ServedTokens, res.Share = m["computeflux_audit_tokens_total"], m["computeflux_served_tokens_total"], m["computeflux_audit_share"]
 	res.Verdicts = map[string]float64{}
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		name, v, ok := strings.Cut(sc.Text(), " ")
-		if !ok || strings.HasPrefix(name, "#") {
-			continue
-		}
-		f, err := strconv.ParseFloat(v, 64)
-		if err != nil {
-			continue
-		}
-		switch {
-		case name == "computeflux_audit_tokens_total":
-			res.AuditTokens = f
-		case name == "computeflux_served_tokens_total":
-			res.ServedTokens = f
-		case name == "computeflux_audit_share":
-			res.Share = f
-		case strings.HasPrefix(name, "computeflux_audit_verdicts_total{"):
-			o := strings.TrimSuffix(strings.TrimPrefix(name, `computeflux_audit_verdicts_total{outcome="`), `"}`)
-			res.Verdicts[o] = f
+	for name, v := range m {
+		if o, ok := strings.CutPrefix(name, `computeflux_audit_verdicts_total{outcome="`); ok {
+			res.Verdicts[strings.TrimSuffix(o, `"}`)] = v
 		}
 	}
-	return sc.Err()
+	return nil
 }
