@@ -30,18 +30,9 @@ import (
 // seed is the same model, another seed another model under the same name.
 func simEngine(t testing.TB, seed uint64) string {
 	t.Helper()
-	srv, err := simengine.New(simengine.Config{Listen: "127.0.0.1:0", Models: []string{"m1"}, TimeScale: 20,
+	srv, stop := runSimEngineWith(t, simengine.Config{Models: []string{"m1"}, TimeScale: 20,
 		Engine: simengine.EngineConfig{Seed: seed}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := srv.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	t.Cleanup(stop)
 	return srv.URL()
 }
 
