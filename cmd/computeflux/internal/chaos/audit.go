@@ -60,6 +60,9 @@ type AuditConfig struct {
 	Groups []AuditGroup
 	// Duration is the load's length. Default 2 minutes.
 	Duration time.Duration
+	// After, if not zero, ends the load this long after the last liar's
+	// quarantine when that comes before Duration.
+	After time.Duration
 	// Workers are concurrent clients, each sending one request at a time,
 	// keyless (no session), every other one streamed. Default 4; one in
 	// four asks the llama.cpp model when a group runs it.
@@ -113,8 +116,9 @@ type AuditAgent struct {
 	// for its model sent after its quarantine.
 	ServedAfter, AllAfter int
 	// Audits counts the audit rounds it took part in (as the subject or
-	// as one of the others its answer was compared with).
-	Audits int
+	// as one of the others its answer was compared with);
+	// AuditsToQuarantine those up to the convicting one.
+	Audits, AuditsToQuarantine int
 }
 
 // AuditResult is what RunAudit saw.
@@ -138,7 +142,9 @@ func (r *AuditResult) Write(w io.Writer) {
 		total := r.Answered[a.Model]
 		line := fmt.Sprintf("  %-18s %-5s %-9s served %4d (%5.1f%%), in %d audits", a.Name, a.Model, a.Kind, a.Served, 100*float64(a.Served)/float64(max(total, 1)), a.Audits)
 		if a.Quarantined > 0 {
-			line += fmt.Sprintf(", quarantined %v after its first request (%s), then served %d of %d", (a.Quarantined - max(a.First, 0)).Round(100*time.Millisecond), a.Audit, a.ServedAfter, a.AllAfter)
+			line += fmt.Sprintf(", quarantined %v after its first request by its audit %d (%s), having served %d of %d; then %d of %d",
+				(a.Quarantined - max(a.First, 0)).Round(100*time.Millisecond), a.AuditsToQuarantine, a.Audit,
+				a.Served-a.ServedAfter, total-a.AllAfter, a.ServedAfter, a.AllAfter)
 		}
 		fmt.Fprintln(w, line)
 	}
@@ -327,6 +333,23 @@ func (a *auditRun) stop() {
 	wg.Wait()
 }
 
+// liarsCaught reports whether the relay has logged the quarantine of
+// every liar.
+func (a *auditRun) liarsCaught() bool {
+	left := map[string]bool{}
+	for _, ag := range a.agents {
+		if ag.Kind == "liar" {
+			left[ag.Name] = true
+		}
+	}
+	for _, l := range a.relay.logs() {
+		if l.str("message") == "agent quarantined for model" {
+			delete(left, l.str("agent"))
+		}
+	}
+	return len(left) == 0
+}
+
 // served is one answered request: when it was sent (since the load
 // began), for which model, by whom.
 type served struct {
@@ -381,9 +404,23 @@ func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
 		})
 	}
 	a.progress("load for %v", a.cfg.Duration)
-	select {
-	case <-ctx.Done():
-	case <-time.After(a.cfg.Duration):
+	end := time.NewTimer(a.cfg.Duration)
+	defer end.Stop()
+	tick := time.NewTicker(200 * time.Millisecond)
+	defer tick.Stop()
+	for caught := false; ; {
+		select {
+		case <-ctx.Done():
+		case <-end.C:
+		case <-tick.C:
+			if a.cfg.After > 0 && !caught && a.liarsCaught() {
+				caught = true
+				a.progress("every liar quarantined; %v more", a.cfg.After)
+				end.Reset(a.cfg.After)
+			}
+			continue
+		}
+		break
 	}
 	close(stop)
 	wg.Wait()
@@ -394,7 +431,7 @@ func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
 	// Quarantines and audits from the relay's log (a line is timed when
 	// read, after the relay changed the routing).
 	quarantined := map[string]logLine{}
-	audits := map[string]int{}
+	audits, before := map[string]int{}, map[string]int{}
 	for _, l := range a.relay.logs() {
 		switch l.str("message") {
 		case "agent quarantined for model":
@@ -406,12 +443,20 @@ func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
 			for v := range strings.FieldsSeq(l.str("verdicts")) {
 				if name, _, ok := strings.Cut(v, "="); ok {
 					audits[name]++
+					// The quarantine is logged before the audit that
+					// convicted.
+					if q, ok := quarantined[name]; !ok || q.str("audit") == l.str("audit") {
+						before[name]++
+					}
 				}
 			}
 		}
 	}
 	for _, ag := range a.agents {
 		ag.Audits = audits[ag.Name]
+		if _, ok := quarantined[ag.Name]; ok {
+			ag.AuditsToQuarantine = before[ag.Name]
+		}
 		if l, ok := quarantined[ag.Name]; ok && l.at.After(start) {
 			ag.Quarantined, ag.Audit, ag.Reason = l.at.Sub(start), l.str("audit"), l.str("reason")
 		}

@@ -14,8 +14,9 @@ import (
 // the relay's audits at their defaults: three honest sim agents and one
 // serving another model (another seed) under the same name; when llama.cpp
 // engines are installed (CI installs them), also an operator's reference,
-// an honest llama.cpp agent and one serving another GGUF. Within the 30 s
-// of load each liar leaves routing (quarantine), and no request sent after
+// an honest llama.cpp agent and one serving another GGUF. Each liar leaves
+// routing (quarantine) by its third audit and within 2 minutes of its
+// first request, and none of the requests sent in the 10 s of load after
 // that reaches it; no honest agent is quarantined; every agent but the
 // operator's reference takes part in audits (a new agent is audited at
 // once, whatever the budget); the audits cost at most
@@ -33,10 +34,11 @@ func TestAuditRealProcesses(t *testing.T) {
 	} else {
 		t.Logf("without llama.cpp engines: %v", err)
 	}
-	const load = 30 * time.Second
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	// The load runs 10 s past the last quarantine, 2 minutes at most.
+	const bound, after = 2 * time.Minute, 10 * time.Second
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	res, err := RunAudit(ctx, AuditConfig{Binary: binary, Groups: groups, Duration: load, Progress: testWriter{t}})
+	res, err := RunAudit(ctx, AuditConfig{Binary: binary, Groups: groups, Duration: bound, After: after, Progress: testWriter{t}})
 	if res != nil {
 		res.Write(testWriter{t})
 	}
@@ -52,6 +54,14 @@ func TestAuditRealProcesses(t *testing.T) {
 			if a.Quarantined == 0 || a.First < 0 {
 				t.Errorf("%s (another model) was not quarantined in %v (first request at %v)", a.Name, res.Wall, a.First)
 				continue
+			}
+			// Two convicting audits in a row from a clean start; one
+			// inconclusive on the way allowed.
+			if a.AuditsToQuarantine > 3 {
+				t.Errorf("%s was quarantined by its audit %d, want by its third at the latest", a.Name, a.AuditsToQuarantine)
+			}
+			if d := a.Quarantined - a.First; d > bound {
+				t.Errorf("%s left routing %v after its first request, want at most %v", a.Name, d, bound)
 			}
 			if a.AllAfter < 20 || a.ServedAfter != 0 {
 				t.Errorf("%s served %d of the %d requests for %s sent after its quarantine, want 0 of at least 20", a.Name, a.ServedAfter, a.AllAfter, a.Model)
