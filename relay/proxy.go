@@ -16,7 +16,8 @@ package relay
 //	               the attempt's outcome and reports nothing
 //	    finish     the one place an attempt's end is recorded: reported to
 //	               the route (the scheduler) once, shared with the peer
-//	               relays, counted and logged
+//	               relays, an answer handed to the auditor, counted and
+//	               logged
 //
 // Every request that reaches an agent (chat, completions, embeddings,
 // Responses, Messages, and GET, DELETE and cancel of a stored response)
