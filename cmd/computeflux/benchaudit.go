@@ -18,8 +18,10 @@ import (
 //
 //	catch      3 honest sim agents and 1 liar; 2 llama.cpp agents (one the
 //	           operator's reference) and 1 serving another GGUF
-//	honest     4 honest sim agents and 2 honest llama.cpp agents, audits
-//	           off, then on: every agent's share side by side
+//	honest     4 honest sim agents, and 2 honest llama.cpp agents beside
+//	           the operator's llama.cpp reference (two agents alone are
+//	           too few for a consensus), audits off, then on: every
+//	           agent's share side by side
 //	collusion  1 honest agent and 2 liars: consensus alone, then with an
 //	           operator's reference
 func runBenchAudit(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -60,7 +62,7 @@ func runBenchAudit(ctx context.Context, args []string, stdout, stderr io.Writer)
 			c := cfg
 			c.Groups = []chaos.AuditGroup{{Honest: 4}}
 			if llama {
-				c.Groups = append(c.Groups, chaos.AuditGroup{Honest: 2, Llama: true})
+				c.Groups = append(c.Groups, chaos.AuditGroup{Reference: true, Honest: 2, Llama: true})
 			}
 			off := c
 			off.RelayArgs = []string{"--no-audits"}
