@@ -37,6 +37,9 @@ import (
 //	POST /admin/v1/endpoints/{name}/undrain   undo drain
 //	POST /admin/v1/endpoints/{name}/weight    {"weight": W}; 0 returns to the declared or file weight
 //	GET  /admin/v1/queue                      the requests waiting for room (QueueStatus)
+//	GET  /admin/v1/audits                     audit budget, every agent and model's standing, recent audits
+//	POST /admin/v1/audits/quarantine          {"agent", "model", "reason"}: no traffic for the model until released
+//	POST /admin/v1/audits/release             {"agent", "model"}: end a quarantine (by audits or by hand)
 //	GET  /status                              the status page (HTML; its data needs the key)
 //	GET  /status.json                         the table plus recent request rate, hit ratio, TTFT, the queue, the last day's usage
 //
@@ -283,6 +286,14 @@ func (r *Relay) AdminHandler() http.Handler {
 	mux.HandleFunc("POST /admin/v1/endpoints/{name}/{action}", r.admin(r.serveAdminAction))
 	mux.HandleFunc("GET /admin/v1/usage", r.admin(r.serveUsage))
 	mux.HandleFunc("GET /admin/v1/queue", r.admin(r.serveQueueStatus)) // queue_admin.go
+	mux.HandleFunc("GET /admin/v1/audits", r.admin(func(w http.ResponseWriter, _ *http.Request) {
+		if r.audits == nil {
+			writeJSON(w, http.StatusOK, map[string]any{"disabled": true})
+			return
+		}
+		writeJSON(w, http.StatusOK, r.audits.status())
+	}))
+	mux.HandleFunc("POST /admin/v1/audits/{action}", r.admin(r.serveAuditAction))
 	mux.HandleFunc("GET /status", r.status(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/html; charset=utf-8")
 		w.Header().Set("Cache-Control", "no-store")
@@ -541,7 +552,7 @@ func (r *Relay) statusData() map[string]any {
 	if n > 0 {
 		sum["ttft_ms_mean"] = ttft / float64(n)
 	}
-	return map[string]any{
+	out := map[string]any{
 		"time":         now.UTC().Format(time.RFC3339),
 		"endpoints":    r.Table(),
 		"series":       series,
@@ -551,6 +562,11 @@ func (r *Relay) statusData() map[string]any {
 		"queue":        r.QueueStatus(),
 		"usage":        r.lastDayUsage(now),
 	}
+	if r.audits != nil {
+		// Agents quarantined for a model, with the audit that convicted them.
+		out["quarantined"] = r.audits.quarantined()
+	}
+	return out
 }
 
 // dayUsage is the status page's view of the ledger: the last 24 hours by

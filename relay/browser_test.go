@@ -227,6 +227,24 @@ func TestStatusPageBrowser(t *testing.T) {
 	br.waitEval(page, "the sessions", `document.getElementById("sessions").textContent`, "18")
 	br.waitEval(page, "the disabled agent", `document.querySelector('#rows tr[data-name="gpu-garage"] td:nth-child(3)').textContent`, "disabled")
 	br.waitEval(page, "the limited key", `document.querySelector('#rows tr[data-name="cloud-api"] td:nth-child(12)').textContent`, "#1 open, #2 closed")
+	// A quarantine shows with its evidence (here the operator's words).
+	if br.eval(page, `String(document.getElementById("quarantine").hidden)`) != "true" {
+		t.Error("the quarantine table shows with nobody in quarantine")
+	}
+	req, _ := http.NewRequest(http.MethodPost, srv.URL+"/admin/v1/audits/quarantine",
+		strings.NewReader(`{"agent":"gpu-desk","model":"m1","reason":"wrong answers reported"}`))
+	req.Header.Set("Authorization", "Bearer "+adminKey)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("quarantine by hand: %s", resp.Status)
+	}
+	quarantined := `(() => { const c = Array.from(document.querySelectorAll('#qrows tr[data-agent="gpu-desk"] td')).map(c => c.textContent);
+		return [c[0], c[1], c[3], c[4]].join("|"); })()`
+	br.waitEval(page, "the quarantine", quarantined, "gpu-desk|m1|operator|by the operator: wrong answers reported")
 	after := br.eval(page, `document.body.dataset.updates`)
 	if after == before {
 		t.Fatalf("the page did not refresh (%s updates)", after)

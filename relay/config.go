@@ -190,6 +190,9 @@ type Config struct {
 	// reads; the caller opens and closes it. Nil means no ledger: the
 	// route answers 404.
 	Ledger *ledger.Ledger
+	// Audit configures the audits of agents (audit.go); the zero value
+	// audits at the defaults.
+	Audit AuditConfig
 	// Clock measures latencies. Nil means the real clock.
 	Clock scheduler.Clock
 	// Logger receives one line per request and lifecycle events. The zero
@@ -252,6 +255,13 @@ func validate(cfg Config) error {
 		if k == "" || strings.TrimSpace(k) != k || strings.ContainsAny(k, " \t\r\n") {
 			errs = append(errs, fmt.Errorf("API key %d is empty or contains whitespace", i+1))
 		}
+	}
+	if a := cfg.Audit; a.Share > 1 || math.IsNaN(a.Share) || a.FloorEvery < 0 || a.References < 0 || a.MinConsensus < 0 || a.MaxTokens < 0 {
+		errs = append(errs, fmt.Errorf("audits: share %v must be at most 1 (negative: floor only), floor %v, references %d, consensus %d and max tokens %d not negative",
+			a.Share, a.FloorEvery, a.References, a.MinConsensus, a.MaxTokens))
+	}
+	if err := cfg.Audit.Policy.Validate(); err != nil {
+		errs = append(errs, err)
 	}
 	if cfg.NoP2P {
 		if cfg.Transport == nil {

@@ -59,6 +59,9 @@ type ProviderSpec struct {
 	// Prices are its prices per million tokens, for the usage ledger's
 	// cost and cache savings; nil means unpriced (no cost recorded).
 	Prices *ledger.Prices
+	// Reference marks it as the operator's reference for audits of its
+	// models: agents are judged against it, over any consensus.
+	Reference bool
 }
 
 // Prices returns the prices of the priced provider endpoints, by name:
@@ -84,6 +87,26 @@ type AgentSetting struct {
 	Priority *int
 	// Disabled keeps the agent out of routing while it is joined.
 	Disabled bool
+	// Reference marks the agent as the operator's reference for audits of
+	// its models: it is not audited, and the others are judged against it.
+	Reference bool
+}
+
+// References returns the names of the endpoints and agents the file marks
+// as references for audits.
+func (ef *EndpointsFile) References() []string {
+	var out []string
+	for _, p := range ef.Endpoints {
+		if p.Reference {
+			out = append(out, p.Name)
+		}
+	}
+	for _, a := range ef.Agents {
+		if a.Reference {
+			out = append(out, a.Name)
+		}
+	}
+	return out
 }
 
 // The file's shape, as decoded.
@@ -103,6 +126,7 @@ type endpointSpec struct {
 	MaxConcurrency int         `yaml:"max_concurrency"`
 	Disabled       bool        `yaml:"disabled"`
 	Prices         *pricesSpec `yaml:"prices"`
+	Reference      bool        `yaml:"reference"`
 }
 
 // pricesSpec is an endpoint's prices per million tokens; cached_input
@@ -114,10 +138,11 @@ type pricesSpec struct {
 }
 
 type agentSpec struct {
-	Name     string  `yaml:"name"`
-	Weight   float64 `yaml:"weight"`
-	Priority *int    `yaml:"priority"`
-	Disabled bool    `yaml:"disabled"`
+	Name      string  `yaml:"name"`
+	Weight    float64 `yaml:"weight"`
+	Priority  *int    `yaml:"priority"`
+	Disabled  bool    `yaml:"disabled"`
+	Reference bool    `yaml:"reference"`
 }
 
 // maxEndpointsFileBytes bounds the file: a routing table, not a data set.
@@ -178,7 +203,7 @@ func ParseEndpointsFile(b []byte, readFile func(string) ([]byte, error)) (*Endpo
 		at := func(field string) string {
 			return fmt.Sprintf("line %d: endpoints[%d] (%q): %s", lines.of("endpoints", i, field), i, es.Name, field)
 		}
-		p := ProviderSpec{Name: es.Name, Models: es.Models, Weight: es.Weight, MaxConcurrency: es.MaxConcurrency, Disabled: es.Disabled}
+		p := ProviderSpec{Name: es.Name, Models: es.Models, Weight: es.Weight, MaxConcurrency: es.MaxConcurrency, Disabled: es.Disabled, Reference: es.Reference}
 		if !validName.MatchString(es.Name) {
 			return nil, fmt.Errorf("%s: want 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit", at("name"))
 		}

@@ -30,23 +30,9 @@ import (
 // ends.
 func startSimEngine(t testing.TB, cacheBlocks int) *simengine.Server {
 	t.Helper()
-	srv, err := simengine.New(simengine.Config{
-		Listen: "127.0.0.1:0", Models: []string{"m1"}, TimeScale: 20, DefaultMaxTokens: 4,
-		Engine: simengine.EngineConfig{CacheBlocks: cacheBlocks},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := srv.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		<-done
-	})
+	srv, stop := runSimEngineWith(t, simengine.Config{Models: []string{"m1"}, TimeScale: 20, DefaultMaxTokens: 4,
+		Engine: simengine.EngineConfig{CacheBlocks: cacheBlocks}})
+	t.Cleanup(stop)
 	return srv
 }
 

@@ -19,8 +19,8 @@ package relay
 //	               the attempt's outcome and reports nothing
 //	    finish     the one place an attempt's end is recorded: reported to
 //	               the route (the scheduler) once, its slot given back to
-//	               the fair queue, shared with the peer relays, counted
-//	               and logged
+//	               the fair queue, shared with the peer relays, an answer
+//	               handed to the auditor, counted and logged
 //
 // Every request that reaches an agent (chat, completions, embeddings,
 // Responses, Messages, and GET, DELETE and cancel of a stored response)
@@ -64,7 +64,9 @@ type proxied struct {
 	body    []byte
 	session string // the session key; empty for none
 	route   route
-	blocks  *[]uint64 // the prompt's block chain (pooled); nil when not hashed
+	blocks  *[]uint64  // the prompt's block chain (pooled); nil when not hashed
+	tap     *answerTap // what the auditor reads of the answer (audittap.go); nil when not audited
+	stream  bool       // the client asked for a stream
 	// queued is set while an attempt holds a slot in the fair queue's
 	// accounting (pick took it; finish gives it back).
 	queued bool
@@ -75,6 +77,10 @@ func (p *proxied) release() {
 	if p.blocks != nil {
 		releaseBlocks(p.blocks)
 		p.blocks = nil
+	}
+	if p.tap != nil {
+		p.tap.release()
+		p.tap = nil
 	}
 }
 
@@ -186,6 +192,11 @@ func (r *Relay) prepareInference(p *proxied) error {
 	p.rl.flow = flowFor(p.req, p.rl.client, rt, len(body))
 	if p.w, err = r.routeAPI(p.w, p.req, rt, &sr); err != nil { // responses.go
 		return err
+	}
+	if r.audits != nil && p.path == "/v1/chat/completions" {
+		// finish hands the answer to the auditor (audit.go).
+		p.tap = newAnswerTap(p.w)
+		p.w, p.stream = p.tap, rt.stream
 	}
 	p.route = r.sched.Begin(sr)
 	return nil
@@ -299,8 +310,9 @@ func (r *Relay) pick(p *proxied) (scheduler.Choice, error) {
 
 // finish records how attempt n (of choice c) ended, once: the route hears
 // the outcome (the scheduler's statistics, breaker and session affinity), a
-// success binds the session at the peer relays too, and an attempt that
-// failed before its first byte is counted and logged.
+// success binds the session at the peer relays too, an answer that reached
+// the client goes to the auditor, and an attempt that failed before its
+// first byte is counted and logged.
 func (r *Relay) finish(p *proxied, c scheduler.Choice, n int, res *attemptResult) {
 	if p.route.Report(c, res.outcome) == scheduler.ClassSuccess {
 		r.shareBinding(p.session, c.EndpointID)
@@ -308,6 +320,13 @@ func (r *Relay) finish(p *proxied, c scheduler.Choice, n int, res *attemptResult
 	if p.queued {
 		p.queued = false
 		r.queue.finished(p.rl.flow) // a slot freed
+	}
+	if res.committed && p.tap != nil {
+		client := ""
+		if p.rl.client != nil {
+			client = p.rl.client.Name
+		}
+		r.audits.answered(p.rl.model, client, p.body, p.req.Header, p.stream, p.tap, c.EndpointID)
 	}
 	if res.committed || p.req.Context().Err() != nil {
 		return

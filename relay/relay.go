@@ -68,6 +68,10 @@ type Relay struct {
 	closeErr  error
 
 	watchdogs watchdogPool // attempts' timers, reused (watchdog.go)
+
+	// audits checks what agents run (audit.go); nil when disabled.
+	audits        *auditor
+	auditsStarted bool
 }
 
 // New builds a relay from cfg: the scheduler, the registry of agents and,
@@ -107,6 +111,9 @@ func New(cfg Config) (*Relay, error) {
 		if r.queue, err = newFairQueue(r); err != nil {
 			return nil, fmt.Errorf("relay: %w", err)
 		}
+	}
+	if !cfg.Audit.Disabled {
+		r.audits = newAuditor(r)
 	}
 
 	if !cfg.NoP2P {
@@ -197,6 +204,11 @@ func New(cfg Config) (*Relay, error) {
 			}
 		}
 		r.log.Info().Stringer("peer", r.host.ID()).Strs("addrs", r.addrStrings()).Msg("relay p2p listening")
+		if r.audits != nil {
+			// Only agents are audited, and only a relay with a host has them.
+			r.audits.start()
+			r.auditsStarted = true
+		}
 	}
 	if cfg.NoAuth {
 		r.log.Warn().Msg("serving clients without API keys (NoAuth)")
@@ -319,6 +331,9 @@ func (r *Relay) Serve(ctx context.Context, ln net.Listener) error {
 func (r *Relay) Close() error {
 	r.closeOnce.Do(func() {
 		var errs []error
+		if r.audits != nil {
+			r.audits.stop(r.auditsStarted)
+		}
 		if r.bgCancel != nil {
 			r.bgCancel()
 			r.bgWG.Wait()

@@ -29,7 +29,15 @@ type simAgent struct {
 // may be called once) ends it and waits for it.
 func runSimEngine(t testing.TB) (eng *simengine.Server, stop func()) {
 	t.Helper()
-	eng, err := simengine.New(simengine.Config{Listen: "127.0.0.1:0", TimeScale: 200, DefaultMaxTokens: 8})
+	return runSimEngineWith(t, simengine.Config{TimeScale: 200, DefaultMaxTokens: 8})
+}
+
+// runSimEngineWith starts a sim engine configured by cfg on a loopback
+// port; stop (which may be called once) ends it and waits for it.
+func runSimEngineWith(t testing.TB, cfg simengine.Config) (eng *simengine.Server, stop func()) {
+	t.Helper()
+	cfg.Listen = "127.0.0.1:0"
+	eng, err := simengine.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

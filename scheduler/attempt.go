@@ -134,11 +134,14 @@ const (
 	ExclusionModel
 	// ExclusionAllow: the request's Allow constraint rejects it.
 	ExclusionAllow
+	// ExclusionQuarantined: reputation put it in quarantine for the
+	// requested model (SetModelWeight with 0).
+	ExclusionQuarantined
 )
 
 // String returns a short lower-case name.
 func (x Exclusion) String() string {
-	return [...]string{"none", "disabled", "dead-key", "used-key", "model", "allow"}[min(int(x), 5)]
+	return [...]string{"none", "disabled", "dead-key", "used-key", "model", "allow", "quarantined"}[min(int(x), 6)]
 }
 
 // Attempt is the per-request state: the exclusions learned from earlier
@@ -215,6 +218,8 @@ func (a *Attempt) exclusion(e *endpoint, checkModel bool) Exclusion {
 		return ExclusionModel
 	case a.req.Allow != nil && !a.req.Allow(e.id):
 		return ExclusionAllow
+	case e.repute != nil && e.factor(a.req.Model) == 0:
+		return ExclusionQuarantined
 	}
 	return ExclusionNone
 }

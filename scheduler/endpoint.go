@@ -162,6 +162,22 @@ type endpoint struct {
 
 	priority int         // tier (tier.go)
 	keys     []*keyState // in Endpoint.Keys order; nil without keys (keys.go)
+	// repute holds the routing factors below 1 that reputation set per
+	// model (SetModelWeight); nil when every model routes at full weight.
+	// It is the Scheduler's map for this ID, kept across Remove and Upsert.
+	repute map[string]float64
+}
+
+// factor returns e's reputation factor for model: 1 unless SetModelWeight
+// lowered it; 0 means quarantined for the model.
+func (e *endpoint) factor(model string) float64 {
+	if e.repute == nil {
+		return 1
+	}
+	if f, ok := e.repute[model]; ok {
+		return f
+	}
+	return 1
 }
 
 func (e *endpoint) serves(model string) bool {
@@ -222,10 +238,11 @@ func (e *endpoint) close() {
 type scoreCtx struct {
 	decay float64 // Scheduler.decayNow's factor
 	duty  float64 // in-flight requests per live session, at most 1
+	model string  // the requested model: reputation weighs per model
 }
 
-func (s *Scheduler) scoreContext(now int64) scoreCtx {
-	c := scoreCtx{decay: s.decayNow(now)}
+func (s *Scheduler) scoreContext(now int64, model string) scoreCtx {
+	c := scoreCtx{decay: s.decayNow(now), model: model}
 	if n := s.sessions.len(); n > 0 {
 		c.duty = min(float64(s.inFlight)/float64(n), 1)
 	}
@@ -245,7 +262,7 @@ const minLoadFactor = 0.01
 // ours) and duty × the sessions mapped here, plus the engine's queue.
 func (s *Scheduler) score(e *endpoint, c scoreCtx) float64 {
 	if e.requests < s.coldStart {
-		return e.weight
+		return e.weight * e.factor(c.model)
 	}
 	running := e.inFlight
 	if e.health.Running > running {
@@ -258,7 +275,7 @@ func (s *Scheduler) score(e *endpoint, c scoreCtx) float64 {
 	load += float64(e.health.Waiting)
 
 	// weight × successRate × loadFactor / latencyFactor as num/den.
-	num := e.weight * (e.good*c.decay + 1) * (1 - 0.5*e.health.KVCacheUsage)
+	num := e.weight * e.factor(c.model) * (e.good*c.decay + 1) * (1 - 0.5*e.health.KVCacheUsage)
 	den := (e.good+e.bad)*c.decay + 1
 	if e.hasEWMA {
 		den *= 1 + e.ewma*s.invLatScale
@@ -314,5 +331,5 @@ func (e *endpoint) routable() bool {
 // not removed or draining, a free slot, no key limits.
 func (e *endpoint) plain() bool {
 	return !e.disabled && !e.removed && !e.health.Draining &&
-		(e.capacity == 0 || e.inFlight < e.capacity) && e.keys == nil
+		(e.capacity == 0 || e.inFlight < e.capacity) && e.keys == nil && e.repute == nil
 }

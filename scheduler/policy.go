@@ -63,7 +63,7 @@ func compareScores(a, b float64) int {
 func (a *Attempt) pickScored(g *group, now int64) *endpoint {
 	sel := selector{s: a.s, byInFlight: true}
 	clean := a.clean()
-	sc := a.s.scoreContext(now)
+	sc := a.s.scoreContext(now, a.req.Model)
 	for _, e := range g.eps {
 		ok, avoid := a.admitsQuick(e, clean), e.health.Suspect
 		if !ok {

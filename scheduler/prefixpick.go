@@ -69,7 +69,7 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 	s.index.overlaps(chain, gen, now)
 	key := chain[min(hrwBlocks, len(chain))-1]
 
-	sc := s.scoreContext(now)
+	sc := s.scoreContext(now, a.req.Model)
 	clean := a.clean()
 	minLoad, maxLoad := -1, 0
 	inFlight, act := 0, 0
@@ -116,7 +116,7 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 			sload = x
 		}
 		base := backlog + loadWeight*sload*meanBlocks
-		f := 1 + e.health.KVCacheUsage*0.5
+		f := (1 + e.health.KVCacheUsage*0.5) / e.factor(sc.model)
 		if e.requests < s.coldStart {
 			f /= e.weight
 		} else {

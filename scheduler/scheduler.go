@@ -29,6 +29,10 @@ type Scheduler struct {
 	inFlight  int    // picks not yet reported, over all endpoints
 	index     *prefixIndex
 	pickGen   uint64 // numbers prefix picks, stamping overlap scratch
+	// repute holds the reputation factors below 1, by endpoint ID then
+	// model (SetModelWeight); it outlives the endpoints, so that an agent
+	// that leaves and joins again keeps its standing.
+	repute map[string]map[string]float64
 
 	// Decayed counts are stored in units that make decay one shared
 	// factor: an outcome at time t adds 2^((t-decayBase)/halfLife), and a
@@ -127,7 +131,7 @@ func (s *Scheduler) Upsert(ep Endpoint) {
 	defer s.mu.Unlock()
 	e := s.endpoints[ep.ID]
 	if e == nil {
-		e = &endpoint{id: ep.ID, idHash: hashString(ep.ID), ix: s.index.byID[ep.ID]}
+		e = &endpoint{id: ep.ID, idHash: hashString(ep.ID), ix: s.index.byID[ep.ID], repute: s.repute[ep.ID]}
 		s.endpoints[ep.ID] = e
 	} else {
 		for _, m := range e.models {
@@ -262,7 +266,7 @@ func (s *Scheduler) Snapshot() []EndpointStatus {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.now()
-	sc := s.scoreContext(now)
+	sc := s.scoreContext(now, "")
 	out := make([]EndpointStatus, 0, len(s.endpoints))
 	for _, e := range s.endpoints {
 		st := EndpointStatus{
@@ -299,4 +303,60 @@ func (s *Scheduler) Snapshot() []EndpointStatus {
 	}
 	slices.SortFunc(out, func(a, b EndpointStatus) int { return cmpString(a.ID, b.ID) })
 	return out
+}
+
+// SetModelWeight sets the routing factor that reputation gives endpoint id
+// for model: f in (0, 1) multiplies its weight in the scores of requests
+// for that model, so a doubtful agent loses part of its share; 0
+// quarantines it for the model (ExclusionQuarantined: never picked, not
+// even as a last resort, and sessions bound to it move); 1 (or more)
+// restores it. Values are clamped to [0, 1]; NaN counts as 0. The factor
+// is kept for an ID that is not (or no longer) registered and applies
+// when it registers. Consistent-hash and the comparison policies honour
+// quarantine only.
+func (s *Scheduler) SetModelWeight(id, model string, f float64) {
+	if !(f > 0) {
+		f = 0
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m := s.repute[id]
+	if f >= 1 {
+		if m == nil {
+			return
+		}
+		delete(m, model)
+		if len(m) == 0 {
+			delete(s.repute, id)
+			m = nil
+		}
+	} else {
+		if m == nil {
+			if s.repute == nil {
+				s.repute = make(map[string]map[string]float64)
+			}
+			m = make(map[string]float64)
+			s.repute[id] = m
+		}
+		m[model] = f
+	}
+	if e := s.endpoints[id]; e != nil {
+		e.repute = m
+		if g := s.groups[model]; g != nil {
+			g.tiersDirty = true
+		}
+	}
+}
+
+// ModelWeight returns the reputation factor of endpoint id for model (1
+// unless SetModelWeight lowered it).
+func (s *Scheduler) ModelWeight(id, model string) float64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if m := s.repute[id]; m != nil {
+		if f, ok := m[model]; ok {
+			return f
+		}
+	}
+	return 1
 }

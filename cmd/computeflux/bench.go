@@ -25,6 +25,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return runBenchSoak(ctx, args, stdout, stderr)
 	case "overload":
 		return runBenchOverload(ctx, args, stdout, stderr)
+	case "audit":
+		return runBenchAudit(ctx, args, stdout, stderr)
 	}
 	if rest, ok := cutOverhead(args); ok {
 		return runOverhead(ctx, rest, stdout, stderr)

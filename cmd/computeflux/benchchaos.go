@@ -16,14 +16,14 @@ import (
 
 // liveScenario returns the scenario a bench command line asks for when it
 // is one that runs this binary as processes instead of comparing policies
-// (chaos, soak or overload), else "".
+// (chaos, soak, overload or audit), else "".
 func liveScenario(args []string) string {
 	for i, a := range args {
 		v, ok := strings.CutPrefix(strings.TrimLeft(a, "-"), "scenario=")
 		if !ok && strings.TrimLeft(a, "-") == "scenario" && i+1 < len(args) {
 			v, ok = args[i+1], true
 		}
-		if ok && (v == "chaos" || v == "soak" || v == "overload") {
+		if ok && (v == "chaos" || v == "soak" || v == "overload" || v == "audit") {
 			return v
 		}
 	}

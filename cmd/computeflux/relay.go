@@ -143,6 +143,9 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 		"relays also learn each other from the agents that joined them; repeatable or comma-separated")
 	fs.DurationVar(&cfg.WarmUp, "warm-up", 0, "after a start, accept clients only once agents have rejoined, waiting at most this `long` (with several relays behind one name: 3s; 0: at once)")
 	fs.BoolVar(&cfg.Peers.Disabled, "no-peer-relays", false, "share no sessions with other relays (ignore the relays agents name)")
+	fs.BoolVar(&cfg.Audit.Disabled, "no-audits", false, "do not audit what agents run (audits compare agents' answers to the same prompt; see docs/audits.md)")
+	fs.Float64Var(&cfg.Audit.Share, "audit-share", 0, "audit tokens as a `share` of the tokens served to clients (0: 0.02; negative: only new agents, the floor and quarantine re-audits)")
+	fs.DurationVar(&cfg.Audit.FloorEvery, "audit-floor", 0, "audit every agent and model at least this `often`, budget or not (0: 10m)")
 	fs.Var(&gossip.relays, "gossip-relay", "another relay's `multiaddr` (ending in /p2p/<peer ID>) to share membership gossip with; repeatable or comma-separated")
 	logs.register(fs)
 	if err := fs.Parse(args); err != nil {

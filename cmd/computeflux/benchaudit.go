@@ -1,0 +1,94 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"github.com/computeflux/computeflux/agent/llamaengine"
+	"github.com/computeflux/computeflux/cmd/computeflux/internal/chaos"
+)
+
+// runBenchAudit runs the audit scenario: this binary as a relay, sim
+// engines and agents (and llama.cpp engines when installed), some agents
+// serving another model under the claimed name; it prints who served what
+// and when the liars left routing, for each part:
+//
+//	catch      3 honest sim agents and 1 liar; 2 llama.cpp agents (one the
+//	           operator's reference) and 1 serving another GGUF
+//	honest     4 honest sim agents, and 2 honest llama.cpp agents beside
+//	           the operator's llama.cpp reference (two agents alone are
+//	           too few for a consensus), audits off, then on: every
+//	           agent's share side by side
+//	collusion  1 honest agent and 2 liars: consensus alone, then with an
+//	           operator's reference
+func runBenchAudit(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var parts string
+	var quiet, noLlama bool
+	cfg := chaos.AuditConfig{}
+	fs := liveFlagSet("audit", stderr, &quiet)
+	fs.StringVar(&parts, "parts", "catch,honest,collusion", "comma-separated `parts`: catch, honest, collusion")
+	fs.DurationVar(&cfg.Duration, "duration", 10*time.Minute, "load of the honest part (catch: a fifth of it, at least 2m; collusion: a tenth, at least 1m)")
+	fs.IntVar(&cfg.Workers, "clients", 4, "concurrent clients")
+	fs.BoolVar(&noLlama, "no-llama", false, "leave out the llama.cpp engines")
+	bin, err := parseLive(fs, args)
+	if err != nil {
+		return err
+	}
+	cfg.Binary = bin
+	if !quiet {
+		cfg.Progress = stderr
+	}
+	llama := !noLlama
+	if err := llamaengine.Available(""); llama && err != nil {
+		fmt.Fprintf(stderr, "bench: audit: without llama.cpp engines: %v\n", err)
+		llama = false
+	}
+	full := cfg.Duration
+	for _, part := range strings.Split(parts, ",") {
+		var runs []chaos.AuditConfig
+		switch part {
+		case "catch":
+			c := cfg
+			c.Duration = max(full/5, 2*time.Minute)
+			c.Groups = []chaos.AuditGroup{{Honest: 3, Liars: 1}}
+			if llama {
+				c.Groups = append(c.Groups, chaos.AuditGroup{Reference: true, Honest: 1, Liars: 1, Llama: true})
+			}
+			runs = append(runs, c)
+		case "honest":
+			c := cfg
+			c.Groups = []chaos.AuditGroup{{Honest: 4}}
+			if llama {
+				c.Groups = append(c.Groups, chaos.AuditGroup{Reference: true, Honest: 2, Llama: true})
+			}
+			off := c
+			off.RelayArgs = []string{"--no-audits"}
+			runs = append(runs, off, c)
+		case "collusion":
+			c := cfg
+			c.Duration = max(full/10, time.Minute)
+			c.Groups = []chaos.AuditGroup{{Honest: 1, Liars: 2}}
+			ref := c
+			ref.Groups = []chaos.AuditGroup{{Honest: 1, Liars: 2, Reference: true}}
+			runs = append(runs, c, ref)
+		default:
+			return fmt.Errorf("bench: audit: unknown part %q (catch, honest, collusion)", part)
+		}
+		for _, c := range runs {
+			fmt.Fprintf(stdout, "== %s: %v, relay %v\n", part, c.Groups, c.RelayArgs)
+			rctx, cancel := context.WithTimeout(ctx, c.Duration+5*time.Minute)
+			res, err := chaos.RunAudit(rctx, c)
+			cancel()
+			if res != nil {
+				res.Write(stdout)
+			}
+			if err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,498 @@
+package relay_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/agent"
+	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/scheduler/audit"
+)
+
+// simEngine starts a simulated engine serving model m1 with seed: the same
+// seed is the same model, another seed another model under the same name.
+func simEngine(t testing.TB, seed uint64) string {
+	t.Helper()
+	srv, stop := runSimEngineWith(t, simengine.Config{Models: []string{"m1"}, TimeScale: 20,
+		Engine: simengine.EngineConfig{Seed: seed}})
+	t.Cleanup(stop)
+	return srv.URL()
+}
+
+// startAgentFor joins a real agent in front of the engine at upstream.
+func startAgentFor(t testing.TB, rl *itRelay, name, upstream string) {
+	t.Helper()
+	a, err := agent.New(agent.Config{
+		Relay: rl.r.Addrs()[0].String(), Token: itToken, Upstream: upstream, Name: name,
+		ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Logger: zerolog.New(io.Discard),
+		MinBackoff: 20 * time.Millisecond, MaxBackoff: 500 * time.Millisecond, DrainTimeout: time.Second,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+}
+
+const auditAdminKey = "admin-key-for-audit-tests"
+
+// auditRelay starts a relay whose audits run fast: a round every 100 ms
+// at most, every pair due every floor.
+func auditRelay(t testing.TB, floor time.Duration, endpointsFile string) (*itRelay, *httptest.Server) {
+	t.Helper()
+	rl := serveRelay(t, relay.Config{
+		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Token: []byte(itToken), APIKeys: []string{itKey},
+		Logger: zerolog.New(io.Discard), AdminKey: auditAdminKey, AdminListen: "127.0.0.1:0",
+		EndpointsFile: endpointsFile,
+		Audit: relay.AuditConfig{Interval: 100 * time.Millisecond, FloorEvery: floor, Timeout: 10 * time.Second,
+			Policy: audit.Policy{BackoffMin: 500 * time.Millisecond}},
+	})
+	admin := httptest.NewServer(rl.r.AdminHandler())
+	t.Cleanup(admin.Close)
+	return rl, admin
+}
+
+// sendTraffic sends n streamed chat requests for m1 and returns how many
+// each agent served.
+func sendTraffic(t testing.TB, rl *itRelay, n int) map[string]int {
+	t.Helper()
+	served := map[string]int{}
+	for i := range n {
+		body := fmt.Sprintf(`{"model":"m1","messages":[{"role":"user","content":"question %d about the weather in a city by the sea"}],"max_tokens":16,"stream":true}`, i)
+		req, _ := http.NewRequest(http.MethodPost, rl.url+"/v1/chat/completions", strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer "+itKey)
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d", i, resp.StatusCode)
+		}
+		served[resp.Header.Get(relay.HeaderAgent)]++
+	}
+	return served
+}
+
+func auditStatus(t testing.TB, admin *httptest.Server) relay.AuditStatus {
+	t.Helper()
+	var st relay.AuditStatus
+	adminGet(t, admin, "/admin/v1/audits", &st)
+	return st
+}
+
+// adminGet decodes the admin API's JSON answer at path into v.
+func adminGet(t testing.TB, admin *httptest.Server, path string, v any) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, admin.URL+path, nil)
+	req.Header.Set("Authorization", "Bearer "+auditAdminKey)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if err := json.NewDecoder(resp.Body).Decode(v); err != nil {
+		t.Fatalf("GET %s: %v", path, err)
+	}
+}
+
+func standing(st relay.AuditStatus, agent string) (audit.Standing, bool) {
+	for _, s := range st.Standings {
+		if s.Agent == agent && s.Model == "m1" {
+			return s, true
+		}
+	}
+	return audit.Standing{}, false
+}
+
+func adminPost(t testing.TB, admin *httptest.Server, path, body string) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, admin.URL+path, strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+auditAdminKey)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// TestAuditQuarantinesAnotherModel: three agents in front of one model
+// (seed 1) and one in front of another (seed 2) under the same name. The
+// audits, through the real agents over QUIC, convict the fourth: it is
+// quarantined for m1, serves no client request afterwards, and the admin
+// API shows the audit that convicted it; the three keep full weight. The
+// operator's release and quarantine by hand work through the admin API.
+func TestAuditQuarantinesAnotherModel(t *testing.T) {
+	rl, admin := auditRelay(t, 200*time.Millisecond, "")
+	for i := range 3 {
+		startAgentFor(t, rl, fmt.Sprintf("honest-%d", i), simEngine(t, 1))
+	}
+	startAgentFor(t, rl, "liar", simEngine(t, 2))
+	waitAgents(t, rl, "honest-0", "honest-1", "honest-2", "liar")
+	sendTraffic(t, rl, 4) // the auditor shapes its prompts like traffic
+	waitFor(t, "liar quarantined", func() bool { return rl.r.Scheduler().ModelWeight("liar", "m1") == 0 })
+
+	st := auditStatus(t, admin)
+	liar, ok := standing(st, "liar")
+	if !ok || liar.Quarantine == nil || liar.Quarantine.Convicted.Audit == "" || liar.LastDisagreement.Against == "" {
+		t.Fatalf("liar's standing: %+v", liar)
+	}
+	t.Logf("liar convicted by %s against %s: %s", liar.Quarantine.Convicted.Audit, liar.Quarantine.Convicted.Against, liar.Quarantine.Convicted.Reason)
+	for i := range 3 {
+		h, _ := standing(st, fmt.Sprintf("honest-%d", i))
+		if h.Quarantine != nil || h.Weight != 1 || h.Audits == 0 || h.Agreements != h.Audits {
+			t.Errorf("honest-%d: %+v", i, h)
+		}
+	}
+	// The status page shows the quarantine with the convicting audit.
+	var page struct{ Quarantined []relay.QuarantineRow }
+	adminGet(t, admin, "/status.json", &page)
+	if len(page.Quarantined) != 1 || page.Quarantined[0].Agent != "liar" || page.Quarantined[0].Audit != liar.Quarantine.Convicted.Audit ||
+		page.Quarantined[0].Reason == "" || page.Quarantined[0].Against == "" {
+		t.Errorf("status page's quarantined: %+v", page.Quarantined)
+	}
+	if served := sendTraffic(t, rl, 40); served["liar"] != 0 {
+		t.Errorf("quarantined liar served %d of 40: %v", served["liar"], served)
+	}
+
+	// By hand: the operator releases the liar; the audits convict it
+	// again.
+	if code, body := adminPost(t, admin, "/admin/v1/audits/release", `{"agent":"liar","model":"m1"}`); code != 200 {
+		t.Fatalf("release: %d %s", code, body)
+	}
+	if w := rl.r.Scheduler().ModelWeight("liar", "m1"); w != 1 {
+		t.Errorf("released liar's weight %v", w)
+	}
+	waitFor(t, "liar quarantined again", func() bool { return rl.r.Scheduler().ModelWeight("liar", "m1") == 0 })
+	// The operator quarantines an honest agent: clean audits do not
+	// release it.
+	if code, body := adminPost(t, admin, "/admin/v1/audits/quarantine", `{"agent":"honest-0","model":"m1","reason":"maintenance"}`); code != 200 {
+		t.Fatalf("quarantine: %d %s", code, body)
+	}
+	before, _ := standing(auditStatus(t, admin), "honest-0")
+	waitFor(t, "honest-0 audited clean 3 times in quarantine", func() bool {
+		h, _ := standing(auditStatus(t, admin), "honest-0")
+		return h.Agreements >= before.Agreements+3
+	})
+	if w := rl.r.Scheduler().ModelWeight("honest-0", "m1"); w != 0 {
+		t.Errorf("clean audits released an operator's quarantine: weight %v", w)
+	}
+	// Bad input: clear errors, nothing changed.
+	for _, tc := range []struct{ path, body, code string }{
+		{"/admin/v1/audits/quarantine", `{"agent":"x"`, "invalid_json"},
+		{"/admin/v1/audits/quarantine", `{"agent":"","model":"m1"}`, "invalid_value"},
+		{"/admin/v1/audits/release", `{"agent":"honest-1","model":"m1"}`, "not_quarantined"},
+	} {
+		code, body := adminPost(t, admin, tc.path, tc.body)
+		if code/100 != 4 || !strings.Contains(body, `"code":"`+tc.code+`"`) {
+			t.Errorf("%s %s: %d %s", tc.path, tc.body, code, body)
+		}
+	}
+	// The metrics tell.
+	resp, err := http.Get(rl.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mb, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{"computeflux_agents_quarantined 2", `computeflux_audit_verdicts_total{outcome="disagree"}`, "computeflux_audit_tokens_total",
+		`computeflux_agent_quarantined_since_seconds{agent="honest-0",audit="operator",model="m1"}`,
+		`computeflux_agent_quarantined_since_seconds{agent="liar",audit="aud-`} {
+		if !strings.Contains(string(mb), want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+}
+
+// TestAuditNoEvidenceFromFaults: an agent whose engine refuses with 503
+// (overloaded) and one whose engine cuts every stream short (as a restart
+// mid-answer does) are audited beside four honest ones and never held to
+// disagree: a fault is no evidence.
+func TestAuditNoEvidenceFromFaults(t *testing.T) {
+	rl, admin := auditRelay(t, 200*time.Millisecond, "")
+	for i := range 4 {
+		startAgentFor(t, rl, fmt.Sprintf("honest-%d", i), simEngine(t, 1))
+	}
+	busy := httptest.NewServer(faultEngine(t, simEngine(t, 1), "busy"))
+	t.Cleanup(busy.Close)
+	cut := httptest.NewServer(faultEngine(t, simEngine(t, 1), "cut"))
+	t.Cleanup(cut.Close)
+	startAgentFor(t, rl, "busy", busy.URL)
+	startAgentFor(t, rl, "cut", cut.URL)
+	waitAgents(t, rl, "honest-0", "honest-1", "honest-2", "honest-3", "busy", "cut")
+	sendTraffic(t, rl, 6)
+	// Rounds of four: some with one faulty agent and three honest ones,
+	// who would convict it if its fault counted as an answer.
+	waitFor(t, "both faulty agents in 8 rounds", func() bool {
+		st := auditStatus(t, admin)
+		b, _ := standing(st, "busy")
+		c, _ := standing(st, "cut")
+		return b.Audits+b.Inconclusive >= 8 && c.Audits+c.Inconclusive >= 8
+	})
+	st := auditStatus(t, admin)
+	for _, name := range []string{"busy", "cut", "honest-0", "honest-1", "honest-2", "honest-3"} {
+		s, _ := standing(st, name)
+		t.Logf("%s: %d audits, %d agreements, %d inconclusive", name, s.Audits, s.Agreements, s.Inconclusive)
+		if s.Quarantine != nil || s.Audits != s.Agreements || s.Weight != 1 {
+			t.Errorf("%s held to disagree: %+v", name, s)
+		}
+	}
+}
+
+// faultEngine proxies to the engine at upstream, except chat completions:
+// "busy" answers them 503, "cut" ends every stream after its first event
+// without the [DONE] (the engine "restarts").
+func faultEngine(t testing.TB, upstream, mode string) http.Handler {
+	u, err := url.Parse(upstream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := httputil.NewSingleHostReverseProxy(u)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/chat/completions" {
+			proxy.ServeHTTP(w, r)
+			return
+		}
+		if mode == "busy" {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = io.WriteString(w, `{"error":{"message":"overloaded","type":"server_error"}}`)
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hel\"}}]}\n\n")
+		w.(http.Flusher).Flush()
+		panic(http.ErrAbortHandler)
+	})
+}
+
+// recorder is an engine that answers every chat request with the same
+// text (so audits find everyone in agreement) and records what it got.
+type recorder struct {
+	mu   sync.Mutex
+	reqs []recorded
+}
+
+type recorded struct {
+	header http.Header
+	body   []byte
+}
+
+func (rc *recorder) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	switch r.URL.Path {
+	case "/v1/models":
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"object":"list","data":[{"id":"m1","object":"model","owned_by":"test"}]}`)
+		return
+	case "/v1/chat/completions":
+	default:
+		http.NotFound(w, r)
+		return
+	}
+	body, _ := io.ReadAll(r.Body)
+	rc.mu.Lock()
+	rc.reqs = append(rc.reqs, recorded{header: r.Header.Clone(), body: body})
+	rc.mu.Unlock()
+	var req struct {
+		Stream bool `json:"stream"`
+	}
+	_ = json.Unmarshal(body, &req)
+	if !req.Stream {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"model":"m1","choices":[{"index":0,"message":{"role":"assistant","content":"one answer for every prompt, from every engine"},"finish_reason":"stop"}],"usage":{"prompt_tokens":20,"completion_tokens":9}}`)
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	_, _ = io.WriteString(w, "data: {\"model\":\"m1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"one answer for every prompt, from every engine\"}}]}\n\n"+
+		"data: {\"model\":\"m1\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n")
+}
+
+func (rc *recorder) all() []recorded {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	return slices.Clone(rc.reqs)
+}
+
+// topKeys returns a JSON object's top-level keys in order.
+func topKeys(t *testing.T, b []byte) []string {
+	t.Helper()
+	dec := json.NewDecoder(bytes.NewReader(b))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		t.Fatalf("not an object: %s", b)
+	}
+	var keys []string
+	for dec.More() {
+		tok, _ := dec.Token()
+		keys = append(keys, tok.(string))
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return keys
+}
+
+// TestAuditLooksLikeTraffic compares, at the engines behind four real
+// agents, the requests of a client with the audits the relay sends: the
+// same headers (the request ID fresh, of the same form), the same body
+// fields in the same order, streamed like the client's with the same
+// stream options, a prompt of a similar size and none of the client's
+// words. What differs is listed in docs/audits.md: greedy decoding, a
+// capped max_tokens, fields of the client's own (user) left out.
+func TestAuditLooksLikeTraffic(t *testing.T) {
+	rl, admin := auditRelay(t, 200*time.Millisecond, "")
+	recs := make([]*recorder, 4)
+	for i := range recs {
+		recs[i] = &recorder{}
+		srv := httptest.NewServer(recs[i])
+		t.Cleanup(srv.Close)
+		startAgentFor(t, rl, fmt.Sprintf("rec-%d", i), srv.URL)
+	}
+	waitAgents(t, rl, "rec-0", "rec-1", "rec-2", "rec-3")
+	const clientWord = "zanzibar"
+	clientBody := `{"messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"` +
+		strings.Repeat(clientWord+" ", 40) + `"}],"model":"m1","stream":true,"stream_options":{"include_usage":true},"max_tokens":16,"temperature":0.7,"user":"u-42"}`
+	for range 3 {
+		req, _ := http.NewRequest(http.MethodPost, rl.url+"/v1/chat/completions", strings.NewReader(clientBody))
+		req.Header.Set("Authorization", "Bearer "+itKey)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "text/event-stream")
+		req.Header.Set("OpenAI-Beta", "assistants=v2")
+		req.Header.Set("X-Request-ID", "7f3a9c2e-0b1d-4e5f-8a6b-1c2d3e4f5a6b")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	waitFor(t, "an audit round", func() bool { return len(auditStatus(t, admin).Recent) > 0 })
+
+	var client, audits []recorded
+	for _, rc := range recs {
+		for _, r := range rc.all() {
+			if bytes.Contains(r.body, []byte(clientWord)) {
+				client = append(client, r)
+			} else {
+				audits = append(audits, r)
+			}
+		}
+	}
+	if len(client) != 3 || len(audits) < 4 {
+		t.Fatalf("%d client requests and %d audit requests at the engines", len(client), len(audits))
+	}
+	c := client[0]
+	for _, a := range audits {
+		for name := range c.header {
+			if name == "Content-Length" {
+				continue // the audit's prompt is of a similar size, not the same
+			}
+			if name == "X-Request-Id" {
+				if got, want := a.header.Get(name), c.header.Get(name); len(got) != len(want) || got == want || strings.Count(got, "-") != 4 {
+					t.Errorf("audit X-Request-ID %q for the client's %q", got, want)
+				}
+				continue
+			}
+			if !slices.Equal(a.header[name], c.header[name]) {
+				t.Errorf("header %s: audit %q, client %q", name, a.header[name], c.header[name])
+			}
+		}
+		for name := range a.header {
+			if _, ok := c.header[name]; !ok {
+				t.Errorf("audit carries header %s the client's request did not", name)
+			}
+		}
+		ck, ak := topKeys(t, c.body), topKeys(t, a.body)
+		// The audit's fields are the client's, in the client's order, but
+		// for the client's own (user).
+		if want := slices.DeleteFunc(slices.Clone(ck), func(k string) bool { return k == "user" }); !slices.Equal(ak, want) {
+			t.Errorf("audit fields %v, client's %v", ak, ck)
+		}
+		var raw struct{ Messages []json.RawMessage }
+		if err := json.Unmarshal(a.body, &raw); err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range raw.Messages {
+			if k := topKeys(t, m); !slices.Equal(k, []string{"role", "content"}) {
+				t.Errorf("audit message fields %v, the client's role, content", k)
+			}
+		}
+		var ab struct {
+			Messages      []struct{ Role, Content string }
+			Stream        bool
+			StreamOptions struct {
+				IncludeUsage bool `json:"include_usage"`
+			} `json:"stream_options"`
+			MaxTokens   int      `json:"max_tokens"`
+			Temperature *float64 `json:"temperature"`
+		}
+		if err := json.Unmarshal(a.body, &ab); err != nil {
+			t.Fatal(err)
+		}
+		size := 0
+		for _, m := range ab.Messages {
+			size += len(m.Content)
+		}
+		if len(ab.Messages) != 2 || ab.Messages[0].Role != "system" || ab.Messages[1].Role != "user" || !ab.Stream || !ab.StreamOptions.IncludeUsage ||
+			ab.MaxTokens != 16 || ab.Temperature == nil || *ab.Temperature != 0 || size < 200 || size > 600 {
+			t.Errorf("audit body %s", a.body)
+		}
+	}
+}
+
+// TestAuditCollusion: two of three agents serve another model together.
+// With three agents no consensus can convict anyone (MinConsensus others
+// must agree), so only an operator's reference catches them: with the
+// honest one marked in the endpoints file, both liars are quarantined and
+// the reference keeps all its traffic.
+func TestAuditCollusion(t *testing.T) {
+	ef := filepath.Join(t.TempDir(), "endpoints.yaml")
+	if err := os.WriteFile(ef, []byte("agents:\n  - name: honest\n    reference: true\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	rl, admin := auditRelay(t, 200*time.Millisecond, ef)
+	startAgentFor(t, rl, "honest", simEngine(t, 1))
+	startAgentFor(t, rl, "liar-0", simEngine(t, 2))
+	startAgentFor(t, rl, "liar-1", simEngine(t, 2))
+	waitAgents(t, rl, "honest", "liar-0", "liar-1")
+	sendTraffic(t, rl, 4)
+	waitFor(t, "both liars quarantined", func() bool {
+		return rl.r.Scheduler().ModelWeight("liar-0", "m1") == 0 && rl.r.Scheduler().ModelWeight("liar-1", "m1") == 0
+	})
+	st := auditStatus(t, admin)
+	for _, name := range []string{"liar-0", "liar-1"} {
+		s, _ := standing(st, name)
+		if s.Quarantine == nil || s.Quarantine.Convicted.Against != "honest" {
+			t.Errorf("%s: %+v", name, s)
+		}
+	}
+	if s, ok := standing(st, "honest"); ok && (s.Quarantine != nil || s.Weight != 1) {
+		t.Errorf("the operator's reference: %+v", s)
+	}
+	if served := sendTraffic(t, rl, 20); served["honest"] != 20 {
+		t.Errorf("after the quarantines the reference served %v of 20", served)
+	}
+}
