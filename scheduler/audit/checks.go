@@ -72,18 +72,10 @@ const (
 )
 
 func (l Limits) populate() Limits {
-	if l.MaxBytesPerToken <= 0 {
-		l.MaxBytesPerToken = DefaultMaxBytesPerToken
-	}
-	if l.TemplateTokens <= 0 {
-		l.TemplateTokens = DefaultTemplateTokens
-	}
-	if l.SlackTokens <= 0 {
-		l.SlackTokens = DefaultSlackTokens
-	}
-	if l.MinPrompt <= 0 {
-		l.MinPrompt = DefaultMinPrompt
-	}
+	l.MaxBytesPerToken = positiveOr(l.MaxBytesPerToken, DefaultMaxBytesPerToken)
+	l.TemplateTokens = positiveOr(l.TemplateTokens, DefaultTemplateTokens)
+	l.SlackTokens = positiveOr(l.SlackTokens, DefaultSlackTokens)
+	l.MinPrompt = positiveOr(l.MinPrompt, DefaultMinPrompt)
 	return l
 }
 

@@ -97,19 +97,19 @@ const (
 )
 
 func (t Tolerance) populate() Tolerance {
-	if t.TieMargin <= 0 {
-		t.TieMargin = DefaultTieMargin
-	}
-	if t.MinCommon <= 0 {
-		t.MinCommon = DefaultMinCommon
-	}
-	if t.LateFraction <= 0 {
-		t.LateFraction = DefaultLateFraction
-	}
-	if t.LogprobGap <= 0 {
-		t.LogprobGap = DefaultLogprobGap
-	}
+	t.TieMargin = positiveOr(t.TieMargin, DefaultTieMargin)
+	t.MinCommon = positiveOr(t.MinCommon, DefaultMinCommon)
+	t.LateFraction = positiveOr(t.LateFraction, DefaultLateFraction)
+	t.LogprobGap = positiveOr(t.LogprobGap, DefaultLogprobGap)
 	return t
+}
+
+// positiveOr returns v, or def when v is not positive.
+func positiveOr[T int | float64](v, def T) T {
+	if v <= 0 {
+		return def
+	}
+	return v
 }
 
 // Comparison is what Compare found between two answers, a and b.
