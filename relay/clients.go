@@ -178,19 +178,9 @@ func ParseClientsFile(b []byte, readFile func(string) ([]byte, error)) (*Clients
 			}
 		}
 		for _, kf := range cs.KeyFiles {
-			if readFile == nil {
-				return nil, fmt.Errorf("%s: key files are not allowed here", at("key_files"))
-			}
-			kb, err := readFile(kf)
+			keys, err := readKeyFile(readFile, kf, at("key_files"))
 			if err != nil {
-				return nil, fmt.Errorf("%s: %w", at("key_files"), err)
-			}
-			keys, err := ParseAPIKeys(bytes.NewReader(kb))
-			if err != nil {
-				return nil, fmt.Errorf("%s: %s: %w", at("key_files"), kf, err)
-			}
-			if len(keys) == 0 {
-				return nil, fmt.Errorf("%s: %s holds no key", at("key_files"), kf)
+				return nil, err
 			}
 			for k, key := range keys {
 				if err := add("key_files", sha256.Sum256([]byte(key)), k+1); err != nil {

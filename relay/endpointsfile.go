@@ -223,19 +223,9 @@ func ParseEndpointsFile(b []byte, readFile func(string) ([]byte, error)) (*Endpo
 			p.Keys = append(p.Keys, key)
 		}
 		for _, kf := range es.KeyFiles {
-			if readFile == nil {
-				return nil, fmt.Errorf("%s: key files are not allowed here", at("key_files"))
-			}
-			kb, err := readFile(kf)
+			keys, err := readKeyFile(readFile, kf, at("key_files"))
 			if err != nil {
-				return nil, fmt.Errorf("%s: %w", at("key_files"), err)
-			}
-			keys, err := ParseAPIKeys(bytes.NewReader(kb))
-			if err != nil {
-				return nil, fmt.Errorf("%s: %s: %w", at("key_files"), kf, err)
-			}
-			if len(keys) == 0 {
-				return nil, fmt.Errorf("%s: %s holds no key", at("key_files"), kf)
+				return nil, err
 			}
 			p.Keys = append(p.Keys, keys...)
 		}
@@ -426,4 +416,24 @@ func mapValue(m *yaml.Node, key string) *yaml.Node {
 		}
 	}
 	return nil
+}
+
+// readKeyFile reads the keys of key file kf through readFile (nil: key
+// files are refused), one per line; where names the field in errors.
+func readKeyFile(readFile func(string) ([]byte, error), kf, where string) ([]string, error) {
+	if readFile == nil {
+		return nil, fmt.Errorf("%s: key files are not allowed here", where)
+	}
+	kb, err := readFile(kf)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", where, err)
+	}
+	keys, err := ParseAPIKeys(bytes.NewReader(kb))
+	if err != nil {
+		return nil, fmt.Errorf("%s: %s: %w", where, kf, err)
+	}
+	if len(keys) == 0 {
+		return nil, fmt.Errorf("%s: %s holds no key", where, kf)
+	}
+	return keys, nil
 }
