@@ -300,8 +300,8 @@ func (r *Relay) AdminHandler() http.Handler {
 		w.Header().Set("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'")
 		_, _ = io.WriteString(w, statusPage)
 	}, false))
-	mux.HandleFunc("GET /status.json", r.status(func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, http.StatusOK, r.statusData())
+	mux.HandleFunc("GET /status.json", r.status(func(w http.ResponseWriter, req *http.Request) {
+		writeJSON(w, http.StatusOK, r.statusData(r.adminAuthorized(req)))
 	}, true))
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		h, pattern := mux.Handler(req)
@@ -527,8 +527,11 @@ func (s *statsWindow) series(now time.Time) []StatusPoint {
 	return out
 }
 
-// statusData is what /status.json serves.
-func (r *Relay) statusData() map[string]any {
+// statusData is what /status.json serves. Who uses the fleet (the
+// clients waiting, the last day's usage by client) is the operator's:
+// without the admin key (a public status page) the queue shows counts
+// only and the usage is left out, and the ledger is not read.
+func (r *Relay) statusData(operator bool) map[string]any {
 	now := r.cfg.Clock.Now()
 	series := r.stats.series(now)
 	var req, hits, misses, lastMin, n int
@@ -560,7 +563,14 @@ func (r *Relay) statusData() map[string]any {
 		"summary":      sum,
 		"sessions":     r.sched.Sessions(),
 		"queue":        r.QueueStatus(),
-		"usage":        r.lastDayUsage(now),
+	}
+	if operator {
+		out["usage"] = r.lastDayUsage(now)
+	} else {
+		q := out["queue"].(QueueStatus)
+		for i := range q.Flows {
+			q.Flows[i].Client = ""
+		}
 	}
 	if r.audits != nil {
 		// Agents quarantined for a model, with the audit that convicted them.

@@ -455,3 +455,32 @@ func TestAdminServeErrorIsLogged(t *testing.T) {
 		t.Fatalf("a clean stop logged as a failure: %q", logs)
 	}
 }
+
+// TestPublicStatusHidesClients: a status page served without the admin
+// key (StatusPublic) counts who waits but names no client and shows no
+// usage; with the key it shows both.
+func TestPublicStatusHidesClients(t *testing.T) {
+	tb, g := queueBed(t, func(c *Config) { c.AdminKey, c.StatusPublic = adminKey, true }, queueClients)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := []<-chan int{tb.send(ctx, "sk-heavy", "")}
+	waitFor(t, "the first request at the engine", func() bool { return len(g.arrived()) == 1 })
+	done = append(done, tb.send(ctx, "sk-light", ""))
+	tb.waitQueued(1)
+	public := tb.relay.statusData(false)
+	if q := public["queue"].(QueueStatus); q.Waiting != 1 || len(q.Flows) != 1 || q.Flows[0].Client != "" {
+		t.Fatalf("public queue %+v: want 1 waiting, no client named", q)
+	}
+	if _, ok := public["usage"]; ok {
+		t.Fatal("the public status data carries the usage")
+	}
+	if q := tb.relay.statusData(true)["queue"].(QueueStatus); len(q.Flows) != 1 || q.Flows[0].Client != "light" {
+		t.Fatalf("operator's queue %+v: want the light client named", q)
+	}
+	for range len(done) {
+		g.release <- struct{}{}
+	}
+	for _, d := range done {
+		<-d
+	}
+}
