@@ -20,6 +20,7 @@ import (
 
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/scheduler/audit"
+	"github.com/computeflux/computeflux/transport"
 )
 
 // Audits: the relay checks what each agent really runs.
@@ -696,7 +697,6 @@ func (a *auditor) prompt(model string) ([]byte, http.Header) {
 			client = names[a.rng.IntN(len(names))]
 		}
 	}
-	_ = client // the flow header names it once the relay sends flows
 	maxTokens := a.cfg.MaxTokens
 	if sh.maxTokens > 0 {
 		maxTokens = min(sh.maxTokens, a.cfg.MaxTokens)
@@ -764,6 +764,19 @@ func (a *auditor) prompt(model string) ([]byte, http.Header) {
 	write("max_tokens", maxTokens)
 	write("temperature", 0)
 	b.WriteByte('}')
+	// Every request the relay sends an agent names its client's flow
+	// (queue.go): an audit names one of the model's recent clients, as
+	// that client's own request would.
+	if client != "" {
+		fl := flowOf{id: client, weight: 1, cost: expectedTokens(b.Len(), maxTokens)}
+		if c := a.r.clients.byName(client); c != nil {
+			fl.weight, fl.band = c.Weight, c.Class
+		}
+		if hdr == nil {
+			hdr = http.Header{}
+		}
+		hdr[transport.HeaderFlow] = []string{fl.header()}
+	}
 	return b.Bytes(), hdr
 }
 

@@ -310,3 +310,13 @@ func (t *clientTable) lookup(d [sha256.Size]byte) *Client {
 
 // size returns the number of keys known.
 func (t *clientTable) size() int { return len(t.byDigest) }
+
+// byName returns the client called name (a key's "key-" name too), or nil.
+func (t *clientTable) byName(name string) *Client {
+	for _, c := range t.byDigest {
+		if c.Name == name {
+			return c
+		}
+	}
+	return nil
+}
