@@ -1,5 +1,7 @@
 package relay
 
+import "time"
+
 // Test hooks for package relay_test.
 
 // WithoutLiveness turns the request path's liveness checks (acks and
@@ -16,3 +18,11 @@ const (
 	DeadAfter         = deadAfter
 	MinAckTimeout     = minAckTimeout
 )
+
+// DelayPeerSnapshots makes r wait d before it sends its binding table to
+// a peer relay, so that a test sees what a slow table costs.
+func DelayPeerSnapshots(r *Relay, d time.Duration) { r.peers.snapshotDelay.Store(int64(d)) }
+
+// ShareBinding records a success of session on agent ep for the peer
+// relays, as a served request does.
+func ShareBinding(r *Relay, session, ep string) { r.shareBinding(session, ep) }

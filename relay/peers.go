@@ -104,8 +104,12 @@ const (
 	maxPeerEndpoint      = 256
 	maxPeerLinks         = 64 // peer relays known at once
 	peerIOTimeout        = 10 * time.Second
-	peerProofLabel       = "computeflux relay peer proof"
-	msgPeerBindings      = transport.FrameProtocol
+	// peerSyncWait bounds how long, after a relay's start, a request of
+	// a session it holds no binding for waits for a newly learned peer
+	// relay's bindings.
+	peerSyncWait    = 2 * time.Second
+	peerProofLabel  = "computeflux relay peer proof"
+	msgPeerBindings = transport.FrameProtocol
 )
 
 // errPeerFrame reports a frame that violates the sessions protocol.
@@ -126,6 +130,9 @@ type PeerStats struct {
 	Sessions int
 	// Refused counts inbound peer streams that failed the handshake.
 	Refused uint64
+	// Resyncs counts peers that reconnected on a new connection while our
+	// stream to them looked alive, and were sent every binding again.
+	Resyncs uint64
 }
 
 // peerManager is the relay's side of binding sharing.
@@ -135,6 +142,11 @@ type peerManager struct {
 	hs    *transport.Handshake // the sessions protocol's framing and handshake
 	table *scheduler.BindingTable
 	any   atomic.Bool // a peer has been authenticated: installs are worth a lookup
+	// awaitEnds (Unix ns) ends the time after the start in which requests
+	// may wait for peers' tables.
+	awaitEnds atomic.Int64
+	// snapshotDelay (ns) holds back every table sent (tests only).
+	snapshotDelay atomic.Int64
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -145,7 +157,7 @@ type peerManager struct {
 	started bool // links learned before start wait for it
 	closed  bool // stop was called: no new goroutines
 
-	sent, recv, bytesSent, bytesRecv, bound, refused atomic.Uint64
+	sent, recv, bytesSent, bytesRecv, bound, refused, resyncs atomic.Uint64
 }
 
 // peerLink is one peer relay and the updates queued for it.
@@ -156,9 +168,16 @@ type peerLink struct {
 	up     atomic.Bool // our stream to it is authenticated
 	wake   chan struct{}
 	kick   chan struct{} // ends a reconnect pause: the peer just reached us
+	// learned is when the link was made; synced is closed once the peer
+	// sent us its whole table (a snapshot ends with an empty frame).
+	learned  time.Time
+	synced   chan struct{}
+	syncOnce sync.Once
 
 	mu       sync.Mutex // guards the following fields
 	addrs    []ma.Multiaddr
+	conn     network.Conn // the connection our stream to the peer runs on, nil when down
+	resynced time.Time    // when a reconnect of the peer last closed conn
 	pending  map[string]scheduler.Binding
 	overflow bool // pending was dropped: send a snapshot
 }
@@ -183,6 +202,7 @@ func newPeerManager(r *Relay) *peerManager {
 func (pm *peerManager) start() {
 	pm.mu.Lock()
 	pm.started = true
+	pm.awaitEnds.Store(time.Now().Add(restartWindow).UnixNano())
 	for _, l := range pm.links {
 		pm.wg.Add(1)
 		go pm.run(l)
@@ -242,7 +262,7 @@ func (pm *peerManager) learn(id peer.ID, addrs []ma.Multiaddr, seed bool) *peerL
 		return nil
 	}
 	l = &peerLink{id: id, seed: seed, addrs: addrs, wake: make(chan struct{}, 1), kick: make(chan struct{}, 1),
-		pending: make(map[string]scheduler.Binding)}
+		learned: time.Now(), synced: make(chan struct{}), pending: make(map[string]scheduler.Binding)}
 	pm.links[id] = l
 	pm.r.log.Info().Stringer("peer_relay", id).Bool("configured", seed).Msg("peer relay learned")
 	if pm.started {
@@ -288,13 +308,85 @@ func (pm *peerManager) local(key, ep string) {
 }
 
 // install binds session key in the scheduler as the peers agreed, before
-// its request is scheduled.
-func (pm *peerManager) install(key string) {
-	if key == "" || !pm.any.Load() {
+// its request is scheduled. A relay that has just started may not hold
+// the binding yet: then install waits (until ctx ends, at most
+// peerSyncWait after a peer was learned) for the tables of the peer
+// relays it has learned and not heard in full from.
+func (pm *peerManager) install(ctx context.Context, key string) {
+	if key == "" || pm.bind(key) || !pm.await(ctx) {
 		return
 	}
-	if b, ok := pm.table.Lookup(key, pm.r.cfg.Clock.Now()); ok {
+	pm.bind(key)
+}
+
+// bind installs the agreed binding of session key in the scheduler and
+// reports whether there was one.
+func (pm *peerManager) bind(key string) bool {
+	if !pm.any.Load() {
+		return false
+	}
+	b, ok := pm.table.Lookup(key, pm.r.cfg.Clock.Now())
+	if ok {
 		pm.r.sched.Bind(key, b.Endpoint, time.Unix(0, b.Last))
+	}
+	return ok
+}
+
+// unsynced returns, in the first restartWindow after the start, the links
+// whose peer has not sent its whole table yet and was learned less than
+// peerSyncWait ago, and when the last of those waits ends.
+func (pm *peerManager) unsynced() (links []*peerLink, until time.Time) {
+	if time.Now().UnixNano() >= pm.awaitEnds.Load() {
+		return nil, time.Time{}
+	}
+	pm.mu.Lock()
+	defer pm.mu.Unlock()
+	for _, l := range pm.links {
+		end := l.learned.Add(peerSyncWait)
+		if !l.isSynced() && time.Now().Before(end) {
+			links = append(links, l)
+			if end.After(until) {
+				until = end
+			}
+		}
+	}
+	return links, until
+}
+
+// pending reports whether a request of a session with no binding should
+// wait for a peer's table before it is placed.
+func (pm *peerManager) pending() bool {
+	links, _ := pm.unsynced()
+	return len(links) > 0
+}
+
+// await waits for the tables of the unsynced links and reports whether it
+// waited at all.
+func (pm *peerManager) await(ctx context.Context) bool {
+	links, until := pm.unsynced()
+	if len(links) == 0 {
+		return false
+	}
+	timer := time.NewTimer(time.Until(until))
+	defer timer.Stop()
+	for _, l := range links {
+		select {
+		case <-l.synced:
+		case <-timer.C:
+			return true
+		case <-ctx.Done():
+			return true
+		}
+	}
+	return true
+}
+
+func (l *peerLink) isSynced() bool {
+	select {
+	case <-l.synced:
+		return true
+	default:
+		return false
 	}
 }
 
@@ -388,10 +480,16 @@ func (pm *peerManager) session(l *peerLink) error {
 	if err != nil {
 		return fmt.Errorf("open stream: %w", err)
 	}
+	l.mu.Lock()
+	l.conn = s.Conn()
+	l.mu.Unlock()
 	gone := make(chan struct{})
 	defer func() {
 		_ = s.Reset()
 		<-gone
+		l.mu.Lock()
+		l.conn = nil
+		l.mu.Unlock()
 	}()
 	cw := &countingWriter{w: s, n: &pm.bytesSent}
 	cr := bufio.NewReader(&countingReader{r: s, n: &pm.bytesRecv})
@@ -419,7 +517,7 @@ func (pm *peerManager) session(l *peerLink) error {
 	// Everything queued before now is in the snapshot.
 	l.take()
 	bw := bufio.NewWriterSize(cw, peerBatchBytes+4096)
-	if err := pm.send(s, bw, pm.table.Live(pm.r.cfg.Clock.Now(), 0)); err != nil {
+	if err := pm.sendSnapshot(s, bw); err != nil {
 		return err
 	}
 	for {
@@ -437,10 +535,13 @@ func (pm *peerManager) session(l *peerLink) error {
 		case <-time.After(pm.cfg.FlushInterval):
 		}
 		batch, snapshot := l.take()
+		var err error
 		if snapshot {
-			batch = pm.table.Live(pm.r.cfg.Clock.Now(), 0)
+			err = pm.sendSnapshot(s, bw)
+		} else {
+			err = pm.send(s, bw, batch)
 		}
-		if err := pm.send(s, bw, batch); err != nil {
+		if err != nil {
 			return err
 		}
 	}
@@ -482,6 +583,27 @@ func (pm *peerManager) send(s network.Stream, bw *bufio.Writer, bs []scheduler.B
 	return bw.Flush()
 }
 
+// sendSnapshot sends every live binding, then an empty frame: the end of
+// the table, which a peer that has just started waits for.
+func (pm *peerManager) sendSnapshot(s network.Stream, bw *bufio.Writer) error {
+	if d := time.Duration(pm.snapshotDelay.Load()); d > 0 {
+		select {
+		case <-time.After(d):
+		case <-pm.ctx.Done():
+			return pm.ctx.Err()
+		}
+	}
+	if err := pm.send(s, bw, pm.table.Live(pm.r.cfg.Clock.Now(), 0)); err != nil {
+		return err
+	}
+	body, _ := encodeBindings(nil, peerBatchBytes)
+	_ = s.SetWriteDeadline(time.Now().Add(peerIOTimeout))
+	if err := pm.hs.WriteFrame(bw, msgPeerBindings, body); err != nil {
+		return err
+	}
+	return bw.Flush()
+}
+
 // handle serves a peer relay's inbound stream: authenticate, then apply its
 // bindings until the stream ends.
 func (pm *peerManager) handle(s network.Stream) {
@@ -511,11 +633,29 @@ func (pm *peerManager) handle(s network.Stream) {
 	}
 	l.authed.Store(true)
 	pm.any.Store(true)
-	if !l.up.Load() {
-		select {
-		case l.kick <- struct{}{}:
-		default:
-		}
+	// The peer opened a session on another connection than the one we
+	// write on: it restarted (a SIGKILLed process sends no close, so ours
+	// may look alive for the whole QUIC idle timeout) or lost that
+	// connection. Either way it holds none of what we sent there: close
+	// it and send every binding again on a fresh stream, at once.
+	// At most once a second: a peer reconnecting in a loop does not make
+	// us resend the table in one.
+	l.mu.Lock()
+	stale := l.conn
+	if stale == s.Conn() || time.Since(l.resynced) < time.Second {
+		stale = nil
+	} else if stale != nil {
+		l.resynced = time.Now()
+	}
+	l.mu.Unlock()
+	if stale != nil {
+		pm.resyncs.Add(1)
+		pm.r.log.Info().Stringer("peer_relay", p).Msg("peer relay reconnected on a new connection; resending bindings")
+		_ = stale.Close()
+	}
+	select {
+	case l.kick <- struct{}{}:
+	default:
 	}
 	for {
 		typ, body, err := pm.hs.ReadFrame(cr)
@@ -537,6 +677,11 @@ func (pm *peerManager) handle(s network.Stream) {
 				pm.bound.Add(1)
 			}
 		}
+		if len(bs) == 0 {
+			// The end of the peer's table: requests waiting for it go on.
+			l.syncOnce.Do(func() { close(l.synced) })
+			pm.r.queue.wake()
+		}
 	}
 }
 
@@ -545,7 +690,7 @@ func (pm *peerManager) stats() PeerStats {
 	st := PeerStats{
 		BindingsSent: pm.sent.Load(), BindingsReceived: pm.recv.Load(),
 		BytesSent: pm.bytesSent.Load(), BytesReceived: pm.bytesRecv.Load(),
-		Bound: pm.bound.Load(), Sessions: pm.table.Len(), Refused: pm.refused.Load(),
+		Bound: pm.bound.Load(), Sessions: pm.table.Len(), Refused: pm.refused.Load(), Resyncs: pm.resyncs.Load(),
 	}
 	pm.mu.Lock()
 	for _, l := range pm.links {
@@ -693,11 +838,13 @@ var (
 		"Bytes of the sessions protocol with peer relays, by direction.", []string{"direction"}, nil)
 	descPeerSessions = prometheus.NewDesc("computeflux_peer_sessions",
 		"Session bindings held in the shared binding table.", nil, nil)
+	descPeerResyncs = prometheus.NewDesc("computeflux_peer_resyncs_total",
+		"Peer relays that came back on a new connection (a restart) and were sent every binding again.", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (c peerCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descPeerRelays, descPeerBindings, descPeerBytes, descPeerSessions} {
+	for _, d := range []*prometheus.Desc{descPeerRelays, descPeerBindings, descPeerBytes, descPeerSessions, descPeerResyncs} {
 		ch <- d
 	}
 }
@@ -711,6 +858,7 @@ func (c peerCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descPeerBytes, prometheus.CounterValue, float64(st.BytesSent), "sent")
 	ch <- prometheus.MustNewConstMetric(descPeerBytes, prometheus.CounterValue, float64(st.BytesReceived), "received")
 	ch <- prometheus.MustNewConstMetric(descPeerSessions, prometheus.GaugeValue, float64(st.Sessions))
+	ch <- prometheus.MustNewConstMetric(descPeerResyncs, prometheus.CounterValue, float64(st.Resyncs))
 }
 
 // peerAdmitted reports whether p is a peer relay admitted to gossip.
@@ -719,10 +867,21 @@ func (r *Relay) peerAdmitted(p peer.ID) bool { return r.peers != nil && r.peers.
 // installBinding brings the session's binding agreed with the peer relays
 // into the scheduler before the request is scheduled (a no-op without
 // peers or a session key).
-func (r *Relay) installBinding(session string) {
+func (r *Relay) installBinding(ctx context.Context, session string) {
 	if r.peers != nil {
-		r.peers.install(session)
+		r.peers.install(ctx, session)
 	}
+}
+
+// bindingPending reports whether a request of session, which has no
+// binding yet, should wait for a peer relay's table (a relay that has
+// just started; see peerManager.install).
+func (r *Relay) bindingPending(session string) bool {
+	if r.peers == nil || session == "" || time.Now().UnixNano() >= r.peers.awaitEnds.Load() {
+		return false
+	}
+	// Bound now, for a request that waited for its agent to rejoin.
+	return !r.peers.bind(session) && r.peers.pending()
 }
 
 // shareBinding records a success of session on agent ep for the peer

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/libp2p/go-libp2p/core/peer"
+	ma "github.com/multiformats/go-multiaddr"
 
 	"github.com/computeflux/computeflux/relay"
 )
@@ -333,4 +334,129 @@ func TestPeerRelaySeedAndSecret(t *testing.T) {
 	gPoll(t, 30*time.Second, "a and b in one gossip cluster", func() bool {
 		return a.r.Gossip().Known(b.r.Host().ID()) && b.r.Gossip().Known(a.r.Host().ID())
 	})
+}
+
+// TestPeerRelayRestartWaitsForBindings restarts one relay while its peer
+// is slow to send its table: follow-ups that reach the restarted relay
+// before the table wait for it instead of going to an agent that holds
+// nothing of the conversation.
+func TestPeerRelayRestartWaitsForBindings(t *testing.T) {
+	t.Parallel() // waits on relays meeting, in its own relays and agents
+	mc := startMulti(t, 2, 3)
+	hc := &http.Client{Timeout: 30 * time.Second}
+	defer hc.CloseIdleConnections()
+	const sessions = 30
+	want := map[string]string{}
+	for i := range sessions {
+		s := fmt.Sprintf("wait-%d", i)
+		a, _, err := chat(hc, mc.relays[0], s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want[s] = a
+	}
+	const delay = 1500 * time.Millisecond
+	relay.DelayPeerSnapshots(mc.relays[0].r, delay)
+	mc.relays[1].stop()
+	r1 := startPeerRelay(t, mc.listen[1], mc.ids[1], "relay-1-again")
+	mc.relays[1] = r1
+	// Unkeyed requests do not wait: the first one served means an agent
+	// has rejoined, and the table is still on its way.
+	gPoll(t, 60*time.Second, "the restarted relay to serve", func() bool {
+		_, _, err := chat(hc, r1, "")
+		return err == nil
+	})
+	if n := r1.r.PeerStats().Sessions; n != 0 {
+		t.Fatalf("the restarted relay holds %d bindings before its peer sent its table: the test does not reach the wait", n)
+	}
+	start := time.Now()
+	var (
+		mu    sync.Mutex
+		wrong []string
+		wg    sync.WaitGroup
+	)
+	for s, a := range want {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			got, _, err := chat(hc, r1, s)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				wrong = append(wrong, s+": "+err.Error())
+			} else if got != a {
+				wrong = append(wrong, s+" on "+got+", bound to "+a)
+			}
+		}()
+	}
+	wg.Wait()
+	sort.Strings(wrong)
+	t.Logf("%d follow-ups sent to the restarted relay before its peer's table (held back %v) answered after %v; %d went elsewhere than their agent",
+		sessions, delay, time.Since(start), len(wrong))
+	if len(wrong) > 0 {
+		t.Errorf("%d of %d follow-ups did not reach their agent: %v", len(wrong), sessions, wrong)
+	}
+}
+
+// TestPeerRelayResyncsRestartedPeer silences a peer relay the way a killed
+// process or a lost machine does (no QUIC close reaches anyone) and
+// starts it again under the same identity: the surviving relay, whose
+// stream to the old one still looks alive, sends it every binding at once
+// instead of after the QUIC idle timeout (30 s).
+func TestPeerRelayResyncsRestartedPeer(t *testing.T) {
+	t.Parallel() // waits on relays meeting, in its own relays
+	dir := t.TempDir()
+	idB := filepath.Join(dir, "b.key")
+	quiet := relay.GossipConfig{Disabled: true} // the sessions protocol alone
+	b := serveRelay(t, relay.Config{
+		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, IdentityFile: idB,
+		Token: []byte(gToken), NoAuth: true, Gossip: quiet, Logger: gTestLogger(t, "relay-b"),
+	})
+	var bUDP *net.UDPAddr
+	for _, a := range b.r.Host().Addrs() {
+		ip, err1 := a.ValueForProtocol(ma.P_IP4)
+		port, err2 := a.ValueForProtocol(ma.P_UDP)
+		if err1 == nil && err2 == nil {
+			bUDP, _ = net.ResolveUDPAddr("udp4", net.JoinHostPort(ip, port))
+		}
+	}
+	if bUDP == nil {
+		t.Fatalf("relay b listens on no UDP address: %v", b.r.Host().Addrs())
+	}
+	cut := newUDPCut(t, bUDP)
+	viaCut, err := ma.NewMultiaddr(fmt.Sprintf("/ip4/127.0.0.1/udp/%d/quic-v1", cut.port()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := serveRelay(t, relay.Config{
+		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
+		Token:     []byte(gToken), NoAuth: true, Gossip: quiet, Logger: gTestLogger(t, "relay-a"),
+		Peers: relay.PeersConfig{Relays: []peer.AddrInfo{{ID: b.r.Host().ID(), Addrs: []ma.Multiaddr{viaCut}}}},
+	})
+	gPoll(t, 30*time.Second, "the relays to share sessions through the cut", func() bool {
+		return len(a.r.PeerRelays()) == 1 && len(b.r.PeerRelays()) == 1
+	})
+	const sessions = 50
+	for i := range sessions {
+		relay.ShareBinding(a.r, fmt.Sprintf("s-%d", i), "agent-x")
+	}
+	gPoll(t, 10*time.Second, "relay b to hold relay a's bindings", func() bool {
+		return b.r.PeerStats().Sessions == sessions
+	})
+	cut.cut.Store(true)
+	b.stop() // its goodbye is dropped: to relay a, relay b went silent
+	start := time.Now()
+	b2 := serveRelay(t, relay.Config{
+		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, IdentityFile: idB,
+		Token: []byte(gToken), NoAuth: true, Gossip: quiet, Logger: gTestLogger(t, "relay-b-again"),
+		Peers: relay.PeersConfig{Relays: []peer.AddrInfo{a.info()}},
+	})
+	gPoll(t, 10*time.Second, "the restarted relay b to get relay a's bindings (without a resync: after the QUIC idle timeout, 30 s)", func() bool {
+		return b2.r.PeerStats().Sessions == sessions
+	})
+	t.Logf("the restarted relay held relay a's %d bindings %v after its start; relay a resynced %d times",
+		sessions, time.Since(start).Round(time.Millisecond), a.r.PeerStats().Resyncs)
+	if n := a.r.PeerStats().Resyncs; n == 0 {
+		t.Error("relay a counted no resync")
+	}
 }

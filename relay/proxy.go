@@ -186,7 +186,8 @@ func (r *Relay) prepareInference(p *proxied) error {
 	p.session = sessionKey(p.req, rt)
 	p.rl.model, p.rl.stream, p.rl.session = rt.model, rt.stream, p.session != ""
 
-	r.installBinding(p.session)
+	// peers.go: a relay that has just started may wait for its peers' table.
+	r.installBinding(p.req.Context(), p.session)
 	p.blocks = r.promptBlocks(body) // prefix.go; release gives them back
 	sr := scheduler.Request{Model: rt.model, SessionKey: p.session, Prefix: *p.blocks, Wait: r.queue != nil}
 	p.rl.flow = flowFor(p.req, p.rl.client, rt, len(body))

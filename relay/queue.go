@@ -142,6 +142,11 @@ func (f *fairQueue) dispatch() {
 				break
 			}
 			w := it.Value
+			if f.r.bindingPending(w.att.Request().SessionKey) {
+				// A relay that has just started: the session's binding
+				// may be on its way from a peer relay (peers.go).
+				break
+			}
 			c, err := w.att.Pick()
 			if err != nil && f.waitable(err) {
 				break // no room for this model yet

@@ -172,6 +172,12 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	if g.ops.isReserved(info.Name) {
 		return fmt.Errorf("%w: %q is a provider endpoint", ErrNameTaken, info.Name)
 	}
+	// The agent's other relays are learned before it is routable, so that
+	// a request it could serve first waits for their session bindings
+	// (peers.go). A peer relay still has to prove the join secret.
+	if g.onRelays != nil && len(info.Relays) > 0 {
+		g.onRelays(info.Relays)
+	}
 	g.mu.Lock()
 	if g.isBannedLocked(p, time.Now()) {
 		g.mu.Unlock()
@@ -209,9 +215,6 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	}
 	g.log.Info().Str("agent", info.Name).Stringer("peer", p).Strs("models", info.Models).
 		Int("capacity", info.Capacity).Bool("draining", info.Draining).Msg("agent joined")
-	if g.onRelays != nil && len(info.Relays) > 0 {
-		g.onRelays(info.Relays)
-	}
 	return nil
 }
 
