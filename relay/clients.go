@@ -271,6 +271,7 @@ func keyClientName(digest [sha256.Size]byte) string {
 // read without locks; a reload builds a new one.
 type clientTable struct {
 	byDigest map[[sha256.Size]byte]*Client
+	names    map[string]*Client
 	def      Client
 	named    []*Client // in file order
 }
@@ -278,7 +279,7 @@ type clientTable struct {
 // newClientTable builds the table of keys (from the API keys file, each its
 // own client unless cf names it) and cf's clients. cf may be nil.
 func newClientTable(keys []string, cf *ClientsFile) *clientTable {
-	t := &clientTable{byDigest: make(map[[sha256.Size]byte]*Client), def: Client{Weight: 1}}
+	t := &clientTable{byDigest: make(map[[sha256.Size]byte]*Client), names: make(map[string]*Client), def: Client{Weight: 1}}
 	if cf != nil {
 		t.def = cf.Default.Client
 		for i := range cf.Clients {
@@ -298,6 +299,12 @@ func newClientTable(keys []string, cf *ClientsFile) *clientTable {
 		c.Name, c.Named = keyClientName(d), false
 		t.byDigest[d] = &c
 	}
+	for _, c := range t.byDigest {
+		t.names[c.Name] = c
+	}
+	for _, c := range t.named {
+		t.names[c.Name] = c
+	}
 	return t
 }
 
@@ -313,10 +320,5 @@ func (t *clientTable) size() int { return len(t.byDigest) }
 
 // byName returns the client called name (a key's "key-" name too), or nil.
 func (t *clientTable) byName(name string) *Client {
-	for _, c := range t.byDigest {
-		if c.Name == name {
-			return c
-		}
-	}
-	return nil
+	return t.names[name]
 }

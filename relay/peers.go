@@ -21,13 +21,21 @@ package relay
 // has not rejoined after a restart) stays in the table and is installed
 // when a request of the session arrives (installBinding).
 //
+// With a ledger, a relay also sends the peers the operator named
+// (PeersConfig.Relays, and only those: a learned peer proved nothing but
+// the join secret) what each client with a budget spent through it today
+// and this month, every SpentInterval when it changed (encodeSpent), and
+// checks budgets against its own count plus its peers' last reports.
+//
 // Frames are transport.Framing's (at most maxPeerFrame). The handshake is
 // transport.Handshake's, mutual, the reader accepting and the dialer
-// initiating with no payload; then bindings frames, dialer -> reader only
-// (encodeBindings).
+// initiating with no payload; then bindings frames (encodeBindings; a
+// table ends with an empty one) and spending frames (SessionsProtocol
+// only, not sessionsProtocolV2), dialer -> reader only.
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -35,6 +43,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -46,18 +55,25 @@ import (
 	ma "github.com/multiformats/go-multiaddr"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/computeflux/computeflux/relay/ledger"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
 
-// SessionsProtocol carries session bindings from one relay to a peer relay.
-const SessionsProtocol protocol.ID = "/computeflux/sessions/2.0.0"
+// SessionsProtocol carries session bindings, and what clients with a
+// budget spent, from one relay to a peer relay.
+const SessionsProtocol protocol.ID = "/computeflux/sessions/3.0.0"
+
+// sessionsProtocolV2 is SessionsProtocol without spending: relays of the
+// previous version still share bindings with this one.
+const sessionsProtocolV2 protocol.ID = "/computeflux/sessions/2.0.0"
 
 // Defaults for the zero values of PeersConfig.
 const (
 	DefaultPeerFlushInterval = 10 * time.Millisecond // batching delay of binding updates
 	DefaultPeerMaxPending    = 1 << 16               // updates queued per peer before a resync
 	DefaultPeerForget        = 5 * time.Minute       // a learned peer unreachable this long is dropped
+	DefaultPeerSpentInterval = time.Second           // how often budgeted clients' spending is sent
 )
 
 // PeersConfig configures how the relay shares session bindings with peer
@@ -80,6 +96,10 @@ type PeersConfig struct {
 	// Forget is how long a peer learned from agents may stay unreachable
 	// before the relay stops dialing it. Zero means DefaultPeerForget.
 	Forget time.Duration
+	// SpentInterval is how often the relay tells its configured peers
+	// (Relays) what its clients with a budget spent, so that a budget
+	// holds across relays. Zero means DefaultPeerSpentInterval (1 s).
+	SpentInterval time.Duration
 }
 
 func (c PeersConfig) populate() PeersConfig {
@@ -91,6 +111,9 @@ func (c PeersConfig) populate() PeersConfig {
 	}
 	if c.Forget <= 0 {
 		c.Forget = DefaultPeerForget
+	}
+	if c.SpentInterval <= 0 {
+		c.SpentInterval = DefaultPeerSpentInterval
 	}
 	return c
 }
@@ -110,6 +133,8 @@ const (
 	peerSyncWait    = 2 * time.Second
 	peerProofLabel  = "computeflux relay peer proof"
 	msgPeerBindings = transport.FrameProtocol
+	msgPeerSpent    = transport.FrameProtocol + 1 // SessionsProtocol only, not V2
+	maxPeerClient   = 256                         // longest client name in a spending report
 )
 
 // errPeerFrame reports a frame that violates the sessions protocol.
@@ -133,6 +158,9 @@ type PeerStats struct {
 	// Resyncs counts peers that reconnected on a new connection while our
 	// stream to them looked alive, and were sent every binding again.
 	Resyncs uint64
+	// SpentReceived counts client spending entries applied from peers'
+	// reports.
+	SpentReceived uint64
 }
 
 // peerManager is the relay's side of binding sharing.
@@ -157,7 +185,7 @@ type peerManager struct {
 	started bool // links learned before start wait for it
 	closed  bool // stop was called: no new goroutines
 
-	sent, recv, bytesSent, bytesRecv, bound, refused, resyncs atomic.Uint64
+	sent, recv, bytesSent, bytesRecv, bound, refused, resyncs, spentRecv atomic.Uint64
 }
 
 // peerLink is one peer relay and the updates queued for it.
@@ -209,6 +237,7 @@ func (pm *peerManager) start() {
 	}
 	pm.mu.Unlock()
 	pm.r.host.SetStreamHandler(SessionsProtocol, pm.handle)
+	pm.r.host.SetStreamHandler(sessionsProtocolV2, pm.handle)
 	for _, ai := range pm.cfg.Relays {
 		pm.learn(ai.ID, ai.Addrs, true)
 	}
@@ -217,6 +246,7 @@ func (pm *peerManager) start() {
 // stop removes the handler and ends every link; wait waits for them.
 func (pm *peerManager) stop() {
 	pm.r.host.RemoveStreamHandler(SessionsProtocol)
+	pm.r.host.RemoveStreamHandler(sessionsProtocolV2)
 	pm.mu.Lock()
 	pm.closed = true
 	pm.mu.Unlock()
@@ -476,7 +506,7 @@ func (pm *peerManager) session(l *peerLink) error {
 	if err := h.Connect(network.WithForceDirectDial(cctx, "computeflux peer relay"), ai); err != nil {
 		return fmt.Errorf("connect: %w", err)
 	}
-	s, err := h.NewStream(cctx, l.id, SessionsProtocol)
+	s, err := h.NewStream(cctx, l.id, SessionsProtocol, sessionsProtocolV2)
 	if err != nil {
 		return fmt.Errorf("open stream: %w", err)
 	}
@@ -520,6 +550,19 @@ func (pm *peerManager) session(l *peerLink) error {
 	if err := pm.sendSnapshot(s, bw); err != nil {
 		return err
 	}
+	// Spending goes only to the peers the operator named (Relays): a
+	// relay learned from an agent's join info proved only the join
+	// secret, which every contributor holds.
+	var spentTick <-chan time.Time
+	var spent spentSender
+	if l.seed && pm.r.cfg.Ledger != nil && s.Protocol() == SessionsProtocol {
+		t := time.NewTicker(pm.cfg.SpentInterval)
+		defer t.Stop()
+		spentTick = t.C
+		if err := spent.send(pm, s, bw); err != nil {
+			return err
+		}
+	}
 	for {
 		select {
 		case <-pm.ctx.Done():
@@ -527,6 +570,11 @@ func (pm *peerManager) session(l *peerLink) error {
 			return nil
 		case <-gone:
 			return errors.New("stream closed by the peer")
+		case <-spentTick:
+			if err := spent.send(pm, s, bw); err != nil {
+				return err
+			}
+			continue
 		case <-l.wake:
 		}
 		// Let a burst gather into one frame.
@@ -604,6 +652,69 @@ func (pm *peerManager) sendSnapshot(s network.Stream, bw *bufio.Writer) error {
 	return bw.Flush()
 }
 
+// spentSender sends a relay's spending report to one peer: every client
+// with a budget that spent anything this month, resent only when it
+// changed.
+type spentSender struct {
+	buf  []ledger.ClientSpent
+	last []byte
+}
+
+func (ss *spentSender) send(pm *peerManager, s network.Stream, bw *bufio.Writer) error {
+	all := pm.r.cfg.Ledger.AppendSpent(ss.buf[:0], pm.r.cfg.Clock.Now())
+	keep := all[:0]
+	for _, cs := range all {
+		if c := pm.r.clients.byName(cs.Client); c != nil && !c.Budget.Unlimited() && len(cs.Client) <= maxPeerClient {
+			keep = append(keep, cs)
+		}
+	}
+	ss.buf = all
+	// Sorted, so that an unchanged report encodes the same.
+	slices.SortFunc(keep, func(a, b ledger.ClientSpent) int { return strings.Compare(a.Client, b.Client) })
+	var frames [][]byte
+	for rest := keep; len(rest) > 0 || len(frames) == 0; {
+		body, n := encodeSpent(rest, peerBatchBytes)
+		frames = append(frames, body)
+		rest = rest[n:]
+	}
+	whole := slices.Concat(frames...)
+	if bytes.Equal(whole, ss.last) {
+		return nil
+	}
+	ss.last = whole
+	for _, body := range frames {
+		_ = s.SetWriteDeadline(time.Now().Add(peerIOTimeout))
+		if err := pm.hs.WriteFrame(bw, msgPeerSpent, body); err != nil {
+			return err
+		}
+	}
+	_ = s.SetWriteDeadline(time.Now().Add(peerIOTimeout))
+	return bw.Flush()
+}
+
+// recvSpent applies a peer's spending report, if the peer is one the
+// operator named (a learned peer could lie about any client's use) and
+// only for the clients with a budget here.
+func (pm *peerManager) recvSpent(l *peerLink, body []byte) error {
+	spent, err := decodeSpent(body)
+	if err != nil {
+		return err
+	}
+	led := pm.r.cfg.Ledger
+	if led == nil || !l.seed {
+		return nil
+	}
+	keep := spent[:0]
+	for _, cs := range spent {
+		if c := pm.r.clients.byName(cs.Client); c != nil && !c.Budget.Unlimited() {
+			keep = append(keep, cs)
+		}
+	}
+	led.MergePeer(l.id.String(), keep)
+	pm.spentRecv.Add(uint64(len(keep)))
+	return nil
+}
+
 // handle serves a peer relay's inbound stream: authenticate, then apply its
 // bindings until the stream ends.
 func (pm *peerManager) handle(s network.Stream) {
@@ -662,6 +773,13 @@ func (pm *peerManager) handle(s network.Stream) {
 		if err != nil {
 			return
 		}
+		if typ == msgPeerSpent && s.Protocol() == SessionsProtocol {
+			if err := pm.recvSpent(l, body); err != nil {
+				pm.r.log.Warn().Err(err).Stringer("peer_relay", p).Msg("bad spending frame")
+				return
+			}
+			continue
+		}
 		if typ != msgPeerBindings {
 			return
 		}
@@ -691,6 +809,7 @@ func (pm *peerManager) stats() PeerStats {
 		BindingsSent: pm.sent.Load(), BindingsReceived: pm.recv.Load(),
 		BytesSent: pm.bytesSent.Load(), BytesReceived: pm.bytesRecv.Load(),
 		Bound: pm.bound.Load(), Sessions: pm.table.Len(), Refused: pm.refused.Load(), Resyncs: pm.resyncs.Load(),
+		SpentReceived: pm.spentRecv.Load(),
 	}
 	pm.mu.Lock()
 	for _, l := range pm.links {
@@ -755,6 +874,80 @@ func encodeBindings(bs []scheduler.Binding, limit int) ([]byte, int) {
 }
 
 // decodeBindings decodes encodeBindings' format, checking every bound.
+// encodeSpent encodes a prefix of cs (at least one entry, when any) of
+// about limit bytes as a spending frame's body, and returns how many it
+// took: a count, then per client its name, day, month, day's and month's
+// tokens and month's cost.
+func encodeSpent(cs []ledger.ClientSpent, limit int) ([]byte, int) {
+	n, size := 0, 0
+	for n < len(cs) && (n == 0 || size+len(cs[n].Client)+48 <= limit) {
+		size += len(cs[n].Client) + 48
+		n++
+	}
+	buf := make([]byte, 0, size+binary.MaxVarintLen64)
+	buf = binary.AppendUvarint(buf, uint64(n))
+	for _, c := range cs[:n] {
+		buf = binary.AppendUvarint(buf, uint64(len(c.Client)))
+		buf = append(buf, c.Client...)
+		buf = binary.AppendVarint(buf, c.Day)
+		buf = binary.AppendVarint(buf, int64(c.Month))
+		buf = binary.AppendUvarint(buf, uint64(max(c.DayTokens, 0)))
+		buf = binary.AppendUvarint(buf, uint64(max(c.MonthTokens, 0)))
+		buf = binary.AppendUvarint(buf, uint64(max(c.MonthCost, 0)))
+	}
+	return buf, n
+}
+
+// maxPeerSpent bounds each count in a spending report, so that sums of
+// reports cannot overflow.
+const maxPeerSpent = 1 << 50
+
+func decodeSpent(buf []byte) ([]ledger.ClientSpent, error) {
+	count, k := binary.Uvarint(buf)
+	if k <= 0 || count > uint64(len(buf)) {
+		return nil, errPeerFrame
+	}
+	buf = buf[k:]
+	out := make([]ledger.ClientSpent, 0, count)
+	for range count {
+		n, k := binary.Uvarint(buf)
+		if k <= 0 || n == 0 || n > maxPeerClient || n > uint64(len(buf)-k) {
+			return nil, errPeerFrame
+		}
+		c := ledger.ClientSpent{Client: string(buf[k : k+int(n)])}
+		buf = buf[k+int(n):]
+		var vals [5]int64
+		for i := range vals {
+			var v int64
+			if i < 2 {
+				v, k = binary.Varint(buf)
+			} else {
+				var u uint64
+				u, k = binary.Uvarint(buf)
+				if u > maxPeerSpent {
+					return nil, errPeerFrame
+				}
+				v = int64(u)
+			}
+			if k <= 0 || v < 0 || v > maxPeerSpent {
+				return nil, errPeerFrame
+			}
+			vals[i] = v
+			buf = buf[k:]
+		}
+		if vals[1] > 1<<31-1 {
+			return nil, errPeerFrame
+		}
+		c.Day, c.Month = vals[0], int32(vals[1])
+		c.DayTokens, c.MonthTokens, c.MonthCost = vals[2], vals[3], ledger.Money(vals[4])
+		out = append(out, c)
+	}
+	if len(buf) != 0 {
+		return nil, errPeerFrame
+	}
+	return out, nil
+}
+
 func decodeBindings(buf []byte) ([]scheduler.Binding, error) {
 	count, k := binary.Uvarint(buf)
 	if k <= 0 || count > uint64(len(buf)) {

@@ -4,6 +4,7 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/computeflux/computeflux/relay/ledger"
 	"github.com/computeflux/computeflux/scheduler"
 )
 
@@ -58,4 +59,36 @@ func TestEncodeBindingsSplitsFrames(t *testing.T) {
 	if total != len(bs) {
 		t.Fatalf("encoded %d of %d", total, len(bs))
 	}
+}
+
+func FuzzDecodeSpent(f *testing.F) {
+	valid, _ := encodeSpent([]ledger.ClientSpent{
+		{Client: "alice", Spent: ledger.Spent{Day: 20_424, Month: 24_323, DayTokens: 418, MonthTokens: 9_000, MonthCost: 1_250_000}},
+		{Client: "key-0a1b2c3d4e5f", Spent: ledger.Spent{Day: 20_424, Month: 24_323, DayTokens: 1}},
+	}, peerBatchBytes)
+	f.Add(valid)
+	f.Add([]byte{0})
+	f.Add([]byte{1, 1, 'a', 0, 0, 0, 0, 0})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		cs, err := decodeSpent(b)
+		if err != nil {
+			return
+		}
+		for _, c := range cs {
+			if c.Client == "" || len(c.Client) > maxPeerClient || c.Day < 0 || c.Month < 0 ||
+				c.DayTokens < 0 || c.DayTokens > maxPeerSpent || c.MonthTokens < 0 || c.MonthTokens > maxPeerSpent ||
+				c.MonthCost < 0 || c.MonthCost > maxPeerSpent {
+				t.Fatalf("decoded an out-of-bounds report %+v", c)
+			}
+		}
+		// What decodes re-encodes to the same report.
+		again, n := encodeSpent(cs, maxPeerFrame)
+		if n != len(cs) {
+			t.Fatalf("re-encoded %d of %d", n, len(cs))
+		}
+		back, err := decodeSpent(again)
+		if err != nil || !slices.Equal(back, cs) {
+			t.Fatalf("round trip: %v\n%+v\n%+v", err, cs, back)
+		}
+	})
 }

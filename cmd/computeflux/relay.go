@@ -140,7 +140,7 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	gossip.register(fs)
 	var peerRelays listFlag
 	fs.Var(&peerRelays, "peer-relay", "another relay's `multiaddr` (ending in /p2p/<peer ID>, same join secret) to share sessions and gossip with from the start; "+
-		"relays also learn each other from the agents that joined them; repeatable or comma-separated")
+		"relays also learn each other from the agents that joined them, but only relays named here share clients' spending for budgets; repeatable or comma-separated")
 	fs.DurationVar(&cfg.WarmUp, "warm-up", 0, "after a start, accept clients only once agents have rejoined, waiting at most this `long` (with several relays behind one name: 3s; 0: at once)")
 	fs.BoolVar(&cfg.Peers.Disabled, "no-peer-relays", false, "share no sessions with other relays (ignore the relays agents name)")
 	fs.BoolVar(&cfg.Audit.Disabled, "no-audits", false, "do not audit what agents run (audits compare agents' answers to the same prompt; see docs/audits.md)")

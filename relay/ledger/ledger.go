@@ -280,6 +280,27 @@ func (l *Ledger) SetPeer(peer string, spent []ClientSpent) {
 	l.peersMu.Unlock()
 }
 
+// MergePeer updates what peer relay peer reported, client by client: a
+// report too large for one message comes in parts. A peer's report holds
+// at most MaxPeerClients clients; further new ones are dropped.
+func (l *Ledger) MergePeer(peer string, spent []ClientSpent) {
+	l.peersMu.Lock()
+	defer l.peersMu.Unlock()
+	m := l.peers[peer]
+	if m == nil {
+		m = make(map[string]Spent, len(spent))
+		l.peers[peer] = m
+	}
+	for _, s := range spent {
+		if _, ok := m[s.Client]; ok || len(m) < MaxPeerClients {
+			m[s.Client] = s.Spent
+		}
+	}
+}
+
+// MaxPeerClients bounds the clients a peer relay's report holds.
+const MaxPeerClients = 100_000
+
 // ForgetPeer drops a peer relay's report.
 func (l *Ledger) ForgetPeer(peer string) {
 	l.peersMu.Lock()

@@ -406,6 +406,47 @@ func TestCheckWithPeers(t *testing.T) {
 	}
 }
 
+func TestMergePeer(t *testing.T) {
+	c := newClock("2026-03-10T12:00:00Z")
+	l := open(t, Config{Path: filepath.Join(t.TempDir(), "ledger.db")}, c)
+	now := c.Now()
+	spent := func(n int64) Spent { return Spent{Day: dayOf(now), Month: monthOf(now), DayTokens: n, MonthTokens: n} }
+	b := Budget{TokensPerDay: 100}
+	// A report in two parts: both count, and a later part replaces only
+	// the clients it names.
+	l.MergePeer("relay-2", []ClientSpent{{Client: "alice", Spent: spent(60)}})
+	l.MergePeer("relay-2", []ClientSpent{{Client: "bob", Spent: spent(100)}})
+	if v := l.Check("alice", b, now); v.Over {
+		t.Fatalf("alice after the first part: %+v", v)
+	}
+	if v := l.Check("alice", Budget{TokensPerDay: 60}, now); !v.Over || v.Used != 60 {
+		t.Fatalf("alice after the first part, against 60: %+v", v)
+	}
+	if v := l.Check("bob", b, now); !v.Over {
+		t.Fatalf("bob after the second part: %+v", v)
+	}
+	l.MergePeer("relay-2", []ClientSpent{{Client: "alice", Spent: spent(100)}})
+	if v := l.Check("alice", b, now); !v.Over || v.Used != 100 {
+		t.Fatalf("alice's newer report: %+v", v)
+	}
+	if v := l.Check("bob", b, now); !v.Over {
+		t.Fatalf("bob dropped by a part that did not name him: %+v", v)
+	}
+	// Bounded: a peer naming more clients than MaxPeerClients keeps the
+	// first ones.
+	many := make([]ClientSpent, MaxPeerClients+10)
+	for i := range many {
+		many[i] = ClientSpent{Client: fmt.Sprintf("c%d", i), Spent: spent(1)}
+	}
+	l.MergePeer("relay-3", many)
+	l.peersMu.RLock()
+	n := len(l.peers["relay-3"])
+	l.peersMu.RUnlock()
+	if n != MaxPeerClients {
+		t.Fatalf("relay-3's report holds %d clients, want %d", n, MaxPeerClients)
+	}
+}
+
 func TestConfigValidate(t *testing.T) {
 	for _, cfg := range []Config{
 		{},
