@@ -157,6 +157,13 @@ func New(cfg Config) (*Relay, error) {
 			return nil, fmt.Errorf("relay: join service: %w", err)
 		}
 		r.join = join
+		if err := transport.ServeAgentUsage(r.host, cfg.Token, r.agentUsage); err != nil { // agentusage.go
+			_ = join.Close()
+			if r.ownHost {
+				_ = r.host.Close()
+			}
+			return nil, fmt.Errorf("relay: agent usage service: %w", err)
+		}
 		r.index = newIndexService(r)
 		r.reg.index = r.index
 		r.reg.forget = func(p peer.ID, name string) {
@@ -350,6 +357,7 @@ func (r *Relay) Close() error {
 			r.peers.wait()
 		}
 		if r.join != nil {
+			r.host.RemoveStreamHandler(transport.AgentUsageProtocol)
 			errs = append(errs, r.join.Close())
 		}
 		if r.index != nil {

@@ -17,6 +17,9 @@ import (
 // runAgent joins a relay and serves the local engine until ctx ends, then
 // drains.
 func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 && args[0] == "usage" {
+		return runAgentUsage(ctx, args[1:], os.LookupEnv, stdout, stderr) // agentusage.go
+	}
 	cfg, err := agentConfig(args, os.LookupEnv, stderr)
 	if err != nil {
 		return err
@@ -65,6 +68,11 @@ func agentConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	var logs logFlags
 	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "Usage: computeflux agent [flags]")
+		fmt.Fprintln(stderr, "       computeflux agent usage [flags]   what this agent served through each relay (-h for its flags)")
+		fs.PrintDefaults()
+	}
 	var relays listFlag
 	fs.Var(&relays, "relay", "relay `multiaddr` ending in /p2p/<relay peer ID>; repeat it (or give a comma list) to join and serve several relays")
 	fs.StringVar(&cfg.Token, "token", "", "join `secret` (prefer --token-file)")

@@ -67,6 +67,11 @@ func runUsage(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 
 // printUsage writes a report for a terminal, the total last.
 func printUsage(w io.Writer, r ledger.Report) error {
+	return printUsageTotal(w, r, "TOTAL (all requests)")
+}
+
+// printUsageTotal is printUsage with the total's label.
+func printUsageTotal(w io.Writer, r ledger.Report, total string) error {
 	fmt.Fprintf(w, "usage by %s from %s to %s (UTC)\n", r.By, r.Since.UTC().Format("2006-01-02 15:04"), r.Until.UTC().Format("2006-01-02 15:04"))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(tw, "%s\tREQUESTS\tPROMPT\tCACHED\tCACHED %%\tCOMPLETION\tERRORS\tESTIMATED\tSERVING\tCOST\tSAVED\t\n", strings.ToUpper(r.By))
@@ -81,7 +86,7 @@ func printUsage(w io.Writer, r ledger.Report) error {
 	for _, row := range r.Rows {
 		line(row.Key, row.Counts)
 	}
-	line("TOTAL (all requests)", r.Total)
+	line(total, r.Total)
 	return tw.Flush()
 }
 

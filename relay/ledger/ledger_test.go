@@ -132,6 +132,22 @@ func TestRestartContinuesTotals(t *testing.T) {
 	if rowOf(rm, "gpt").Requests != 10 || rowOf(rm, "llama").Requests != 11 {
 		t.Fatalf("model rows %+v", rm.Rows)
 	}
+	// An agent's own view: its rows by model, its total, no one else's.
+	l.Record(Entry{Time: c.Now(), Client: "carol", Model: "qwen", Agent: "gpu-2", PromptTokens: 7, CompletionTokens: 3})
+	l.Record(Entry{Time: c.Now(), Client: "carol", Model: "llama", Agent: "gpu-1", PromptTokens: 5, CompletionTokens: 5})
+	own, err := l.AgentUsage(c.Now().Add(-24*time.Hour), "gpu-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(own.Rows) != 1 || own.Rows[0].Key != "llama" || own.Rows[0].Requests != 12 || own.Total.Requests != 12 || own.By != "model" {
+		t.Fatalf("gpu-1's own usage %+v", own)
+	}
+	if other, err := l.AgentUsage(c.Now().Add(-24*time.Hour), "gpu-2"); err != nil || len(other.Rows) != 1 || other.Rows[0].Key != "qwen" || other.Total.Requests != 1 {
+		t.Fatalf("gpu-2's own usage %+v, %v", other, err)
+	}
+	if none, err := l.AgentUsage(c.Now().Add(-24*time.Hour), "gpu-9"); err != nil || len(none.Rows) != 0 || none.Total.Requests != 0 {
+		t.Fatalf("an agent that served nothing %+v, %v", none, err)
+	}
 }
 
 // Queries over spans of hours and days agree with a plain sum of what was

@@ -100,6 +100,7 @@ type ReportRow struct {
 // grouper sums rows into a report's groups.
 type grouper struct {
 	by    By
+	agent string // set: only this agent's rows, by model, and their total
 	m     map[string]*Counts
 	total Counts
 }
@@ -108,11 +109,18 @@ func newGrouper(by By) *grouper { return &grouper{by: by, m: map[string]*Counts{
 
 // add counts one row.
 func (g *grouper) add(kind Kind, name, model string, c Counts) {
-	if kind == KindClient {
+	if g.agent != "" {
+		if kind != KindAgent || name != g.agent {
+			return
+		}
+		g.total.Add(c)
+	} else if kind == KindClient {
 		g.total.Add(c)
 	}
 	var key string
 	switch {
+	case g.agent != "":
+		key = model
 	case g.by == ByClient && kind == KindClient:
 		key = name
 	case g.by == ByModel && kind == KindClient:
@@ -182,11 +190,23 @@ func spanOf(since, now time.Time, hourlyKeep, dailyKeep int64) span {
 // Usage reports the use since since, grouped by by: what the file holds
 // plus what waits in memory. It fails while the file cannot be read.
 func (l *Ledger) Usage(since time.Time, by By) (Report, error) {
+	return l.usage(since, newGrouper(by))
+}
+
+// AgentUsage reports what agent served since since, by model, and
+// nothing about anyone else: what an agent's owner may see.
+func (l *Ledger) AgentUsage(since time.Time, agent string) (Report, error) {
+	if agent == "" {
+		return Report{}, fmt.Errorf("agent usage: no agent name")
+	}
+	return l.usage(since, &grouper{by: ByModel, agent: agent, m: map[string]*Counts{}})
+}
+
+func (l *Ledger) usage(since time.Time, g *grouper) (Report, error) {
 	l.viewMu.RLock()
 	defer l.viewMu.RUnlock()
 	now := l.cfg.Now()
 	sp := spanOf(since, now, int64(l.cfg.HourlyRetention/time.Hour), int64(l.cfg.DailyRetention/(24*time.Hour)))
-	g := newGrouper(by)
 	add := func(r Row) { g.add(r.Kind, r.Name, r.Model, r.Counts) }
 	if sp.h0 < sp.hourlyEnd {
 		if err := l.store.Scan(Hourly, sp.h0, sp.hourlyEnd, add); err != nil {
@@ -213,5 +233,5 @@ func (l *Ledger) Usage(since time.Time, by By) (Report, error) {
 			}
 		}
 	}
-	return Report{Since: sp.start, Until: now.UTC(), By: by.String(), Rows: g.rows(), Total: g.total, Ledger: l.Health()}, nil
+	return Report{Since: sp.start, Until: now.UTC(), By: g.by.String(), Rows: g.rows(), Total: g.total, Ledger: l.Health()}, nil
 }
