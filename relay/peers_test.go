@@ -127,6 +127,22 @@ func chat(hc *http.Client, r *itRelay, session string) (agentName, affinity stri
 	return resp.Header.Get(relay.HeaderAgent), resp.Header.Get(relay.HeaderAffinity), nil
 }
 
+// bindSessions sends the first turn of n sessions named prefix-i to r and
+// returns the agent each is bound to.
+func bindSessions(t *testing.T, hc *http.Client, r *itRelay, prefix string, n int) map[string]string {
+	t.Helper()
+	bound := make(map[string]string, n)
+	for i := range n {
+		s := fmt.Sprintf("%s-%d", prefix, i)
+		a, _, err := chat(hc, r, s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bound[s] = a
+	}
+	return bound
+}
+
 func boundTo(r *itRelay, session string) string {
 	id, _, _ := r.r.Scheduler().Binding(session)
 	return id
@@ -244,15 +260,7 @@ func TestPeerRelayRestartRebuildsBindings(t *testing.T) {
 	hc := &http.Client{Timeout: 30 * time.Second}
 	defer hc.CloseIdleConnections()
 	const sessions = 60
-	want := map[string]string{}
-	for i := range sessions {
-		s := fmt.Sprintf("keep-%d", i)
-		a, _, err := chat(hc, mc.relays[0], s)
-		if err != nil {
-			t.Fatal(err)
-		}
-		want[s] = a
-	}
+	want := bindSessions(t, hc, mc.relays[0], "keep", sessions)
 	gPoll(t, 5*time.Second, "relay 1 to hold every binding", func() bool {
 		for s, a := range want {
 			if boundTo(mc.relays[1], s) != a {
@@ -346,15 +354,7 @@ func TestPeerRelayRestartWaitsForBindings(t *testing.T) {
 	hc := &http.Client{Timeout: 30 * time.Second}
 	defer hc.CloseIdleConnections()
 	const sessions = 30
-	want := map[string]string{}
-	for i := range sessions {
-		s := fmt.Sprintf("wait-%d", i)
-		a, _, err := chat(hc, mc.relays[0], s)
-		if err != nil {
-			t.Fatal(err)
-		}
-		want[s] = a
-	}
+	want := bindSessions(t, hc, mc.relays[0], "wait", sessions)
 	const delay = 1500 * time.Millisecond
 	relay.DelayPeerSnapshots(mc.relays[0].r, delay)
 	mc.relays[1].stop()
