@@ -208,6 +208,8 @@ type Config struct {
 	// probes, liveness.go) off, so that a test sees gossip's own failure
 	// detection. Set by tests only (export_test.go).
 	noLiveness bool
+	// peerSyncWait replaces peerSyncWait (peers.go) when set. Tests only.
+	peerSyncWait time.Duration
 }
 
 // realClock is the wall clock.

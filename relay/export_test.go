@@ -19,6 +19,10 @@ const (
 	MinAckTimeout     = minAckTimeout
 )
 
+// WithPeerSyncWait sets how long, after it learned a peer relay, a relay
+// that has just started holds a request for that peer's table.
+func WithPeerSyncWait(c *Config, d time.Duration) { c.peerSyncWait = d }
+
 // DelayPeerSnapshots makes r wait d before it sends its binding table to
 // a peer relay, so that a test sees what a slow table costs.
 func DelayPeerSnapshots(r *Relay, d time.Duration) { r.peers.snapshotDelay.Store(int64(d)) }

@@ -36,7 +36,9 @@ package relay
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
+	crand "crypto/rand"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -155,8 +157,9 @@ type PeerStats struct {
 	Sessions int
 	// Refused counts inbound peer streams that failed the handshake.
 	Refused uint64
-	// Resyncs counts peers that reconnected on a new connection while our
-	// stream to them looked alive, and were sent every binding again.
+	// Resyncs counts peers that came back as a new process (a new boot
+	// ID in their hello) while our stream to them looked alive, and were
+	// sent every binding again.
 	Resyncs uint64
 	// SpentReceived counts client spending entries applied from peers'
 	// reports.
@@ -175,6 +178,9 @@ type peerManager struct {
 	awaitEnds atomic.Int64
 	// snapshotDelay (ns) holds back every table sent (tests only).
 	snapshotDelay atomic.Int64
+	// boot names this process in the hellos it sends, so that a peer
+	// tells a restart from a second connection.
+	boot [8]byte
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -191,7 +197,7 @@ type peerManager struct {
 // peerLink is one peer relay and the updates queued for it.
 type peerLink struct {
 	id     peer.ID
-	seed   bool        // configured: never forgotten
+	seed   atomic.Bool // configured (PeersConfig.Relays): never forgotten, shares spending
 	authed atomic.Bool // proved the secret (in either direction): admitted to gossip
 	up     atomic.Bool // our stream to it is authenticated
 	wake   chan struct{}
@@ -205,7 +211,8 @@ type peerLink struct {
 	mu       sync.Mutex // guards the following fields
 	addrs    []ma.Multiaddr
 	conn     network.Conn // the connection our stream to the peer runs on, nil when down
-	resynced time.Time    // when a reconnect of the peer last closed conn
+	resynced time.Time    // when a restart of the peer last closed conn
+	peerBoot []byte       // the boot ID in the peer's last hello
 	pending  map[string]scheduler.Binding
 	overflow bool // pending was dropped: send a snapshot
 }
@@ -223,11 +230,17 @@ func newPeerManager(r *Relay) *peerManager {
 		links: make(map[peer.ID]*peerLink),
 	}
 	pm.ctx, pm.cancel = context.WithCancel(context.Background())
+	_, _ = crand.Read(pm.boot[:])
 	return pm
 }
 
 // start registers the protocol handler and dials the configured peers.
 func (pm *peerManager) start() {
+	// The configured peers first, so that a link an agent named before
+	// the start is a seed by the time its first session begins.
+	for _, ai := range pm.cfg.Relays {
+		pm.learn(ai.ID, ai.Addrs, true)
+	}
 	pm.mu.Lock()
 	pm.started = true
 	pm.awaitEnds.Store(time.Now().Add(restartWindow).UnixNano())
@@ -238,9 +251,6 @@ func (pm *peerManager) start() {
 	pm.mu.Unlock()
 	pm.r.host.SetStreamHandler(SessionsProtocol, pm.handle)
 	pm.r.host.SetStreamHandler(sessionsProtocolV2, pm.handle)
-	for _, ai := range pm.cfg.Relays {
-		pm.learn(ai.ID, ai.Addrs, true)
-	}
 }
 
 // stop removes the handler and ends every link; wait waits for them.
@@ -279,6 +289,9 @@ func (pm *peerManager) learn(id peer.ID, addrs []ma.Multiaddr, seed bool) *peerL
 	}
 	l := pm.links[id]
 	if l != nil {
+		if seed {
+			l.seed.Store(true) // learned from an agent first, configured too
+		}
 		l.mu.Lock()
 		for _, a := range addrs {
 			if len(l.addrs) < 16 && !slices.ContainsFunc(l.addrs, a.Equal) {
@@ -291,8 +304,9 @@ func (pm *peerManager) learn(id peer.ID, addrs []ma.Multiaddr, seed bool) *peerL
 	if len(pm.links) >= maxPeerLinks {
 		return nil
 	}
-	l = &peerLink{id: id, seed: seed, addrs: addrs, wake: make(chan struct{}, 1), kick: make(chan struct{}, 1),
+	l = &peerLink{id: id, addrs: addrs, wake: make(chan struct{}, 1), kick: make(chan struct{}, 1),
 		learned: time.Now(), synced: make(chan struct{}), pending: make(map[string]scheduler.Binding)}
+	l.seed.Store(seed)
 	pm.links[id] = l
 	pm.r.log.Info().Stringer("peer_relay", id).Bool("configured", seed).Msg("peer relay learned")
 	if pm.started {
@@ -372,7 +386,7 @@ func (pm *peerManager) unsynced() (links []*peerLink, until time.Time) {
 	pm.mu.Lock()
 	defer pm.mu.Unlock()
 	for _, l := range pm.links {
-		end := l.learned.Add(peerSyncWait)
+		end := l.learned.Add(cmp.Or(pm.r.cfg.peerSyncWait, peerSyncWait))
 		if !l.isSynced() && time.Now().Before(end) {
 			links = append(links, l)
 			if end.After(until) {
@@ -470,7 +484,7 @@ func (pm *peerManager) run(l *peerLink) {
 		if pm.ctx.Err() != nil {
 			return
 		}
-		if !l.seed && time.Since(lastUp) > pm.cfg.Forget {
+		if !l.seed.Load() && time.Since(lastUp) > pm.cfg.Forget {
 			pm.mu.Lock()
 			delete(pm.links, l.id)
 			pm.mu.Unlock()
@@ -524,7 +538,7 @@ func (pm *peerManager) session(l *peerLink) error {
 	cw := &countingWriter{w: s, n: &pm.bytesSent}
 	cr := bufio.NewReader(&countingReader{r: s, n: &pm.bytesRecv})
 	_ = s.SetDeadline(time.Now().Add(peerIOTimeout))
-	if err := pm.hs.Initiate(cr, cw, h.ID(), l.id, nil); err != nil {
+	if err := pm.hs.Initiate(cr, cw, h.ID(), l.id, pm.boot[:]); err != nil {
 		close(gone)
 		if errors.Is(err, transport.ErrBadProof) {
 			return errors.New("handshake: the peer relay does not hold our join secret")
@@ -555,7 +569,7 @@ func (pm *peerManager) session(l *peerLink) error {
 	// secret, which every contributor holds.
 	var spentTick <-chan time.Time
 	var spent spentSender
-	if l.seed && pm.r.cfg.Ledger != nil && s.Protocol() == SessionsProtocol {
+	if l.seed.Load() && pm.r.cfg.Ledger != nil && s.Protocol() == SessionsProtocol {
 		t := time.NewTicker(pm.cfg.SpentInterval)
 		defer t.Stop()
 		spentTick = t.C
@@ -701,7 +715,7 @@ func (pm *peerManager) recvSpent(l *peerLink, body []byte) error {
 		return err
 	}
 	led := pm.r.cfg.Ledger
-	if led == nil || !l.seed {
+	if led == nil || !l.seed.Load() {
 		return nil
 	}
 	keep := spent[:0]
@@ -744,16 +758,21 @@ func (pm *peerManager) handle(s network.Stream) {
 	}
 	l.authed.Store(true)
 	pm.any.Store(true)
-	// The peer opened a session on another connection than the one we
-	// write on: it restarted (a SIGKILLed process sends no close, so ours
-	// may look alive for the whole QUIC idle timeout) or lost that
-	// connection. Either way it holds none of what we sent there: close
-	// it and send every binding again on a fresh stream, at once.
-	// At most once a second: a peer reconnecting in a loop does not make
-	// us resend the table in one.
+	// The peer names its process in its hello (a random boot ID). A new
+	// one means it restarted: it holds none of what we sent, and a
+	// SIGKILLed process sends no close, so our stream to it may look alive
+	// for the whole QUIC idle timeout. Close that connection and send
+	// every binding again on a fresh stream, at once. At most once a
+	// second: a peer restarting in a loop does not make us resend the
+	// table in one. (Two live connections, from relays dialing each other
+	// at once, keep one boot ID and are left alone.)
 	l.mu.Lock()
+	restarted := len(hello.Payload) == len(pm.boot) && l.peerBoot != nil && !bytes.Equal(l.peerBoot, hello.Payload)
+	if len(hello.Payload) == len(pm.boot) {
+		l.peerBoot = bytes.Clone(hello.Payload)
+	}
 	stale := l.conn
-	if stale == s.Conn() || time.Since(l.resynced) < time.Second {
+	if !restarted || stale == s.Conn() || time.Since(l.resynced) < time.Second {
 		stale = nil
 	} else if stale != nil {
 		l.resynced = time.Now()
@@ -873,7 +892,6 @@ func encodeBindings(bs []scheduler.Binding, limit int) ([]byte, int) {
 	return buf, n
 }
 
-// decodeBindings decodes encodeBindings' format, checking every bound.
 // encodeSpent encodes a prefix of cs (at least one entry, when any) of
 // about limit bytes as a spending frame's body, and returns how many it
 // took: a count, then per client its name, day, month, day's and month's
@@ -902,6 +920,7 @@ func encodeSpent(cs []ledger.ClientSpent, limit int) ([]byte, int) {
 // reports cannot overflow.
 const maxPeerSpent = 1 << 50
 
+// decodeSpent decodes encodeSpent's format, checking every bound.
 func decodeSpent(buf []byte) ([]ledger.ClientSpent, error) {
 	count, k := binary.Uvarint(buf)
 	if k <= 0 || count > uint64(len(buf)) {
@@ -948,6 +967,7 @@ func decodeSpent(buf []byte) ([]ledger.ClientSpent, error) {
 	return out, nil
 }
 
+// decodeBindings decodes encodeBindings' format, checking every bound.
 func decodeBindings(buf []byte) ([]scheduler.Binding, error) {
 	count, k := binary.Uvarint(buf)
 	if k <= 0 || count > uint64(len(buf)) {
@@ -1032,7 +1052,7 @@ var (
 	descPeerSessions = prometheus.NewDesc("computeflux_peer_sessions",
 		"Session bindings held in the shared binding table.", nil, nil)
 	descPeerResyncs = prometheus.NewDesc("computeflux_peer_resyncs_total",
-		"Peer relays that came back on a new connection (a restart) and were sent every binding again.", nil, nil)
+		"Peer relays that came back as a new process while our stream to them looked alive, and were sent every binding again.", nil, nil)
 )
 
 // Describe implements prometheus.Collector.

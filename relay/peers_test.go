@@ -37,16 +37,20 @@ func freeUDP(t testing.TB) string {
 
 // startPeerRelay starts a sticky relay with gossip on listen (a fixed
 // port and identity, so that it can be restarted as itself).
-func startPeerRelay(t testing.TB, listen, identity, who string) *itRelay {
+func startPeerRelay(t testing.TB, listen, identity, who string, edits ...func(*relay.Config)) *itRelay {
 	t.Helper()
-	return serveRelay(t, relay.Config{
+	cfg := relay.Config{
 		P2PListen:    []string{listen},
 		IdentityFile: identity,
 		Token:        []byte(gToken),
 		NoAuth:       true,
 		Logger:       gTestLogger(t, who),
 		Gossip:       relay.GossipConfig{Tune: gFastTune, LeaveTimeout: time.Second},
-	})
+	}
+	for _, edit := range edits {
+		edit(&cfg)
+	}
+	return serveRelay(t, cfg)
 }
 
 // startMultiAgent starts an agent joined to every relay in addrs.
@@ -355,10 +359,13 @@ func TestPeerRelayRestartWaitsForBindings(t *testing.T) {
 	defer hc.CloseIdleConnections()
 	const sessions = 30
 	want := bindSessions(t, hc, mc.relays[0], "wait", sessions)
-	const delay = 1500 * time.Millisecond
+	// The table is held back well within the wait, so that the follow-ups
+	// surely arrive before it however slowly the agents rejoin (the
+	// relay's own wait is 2 s; here 8 s, for a loaded machine).
+	const delay = 4 * time.Second
 	relay.DelayPeerSnapshots(mc.relays[0].r, delay)
 	mc.relays[1].stop()
-	r1 := startPeerRelay(t, mc.listen[1], mc.ids[1], "relay-1-again")
+	r1 := startPeerRelay(t, mc.listen[1], mc.ids[1], "relay-1-again", func(c *relay.Config) { relay.WithPeerSyncWait(c, 2*delay) })
 	mc.relays[1] = r1
 	// Unkeyed requests do not wait: the first one served means an agent
 	// has rejoined, and the table is still on its way.

@@ -34,9 +34,13 @@ type Registry struct {
 	// index, if set, hears of registrations that end and of agents whose
 	// prefix index entries were dropped while they stayed joined (prefix.go).
 	index *indexService
-	// onRelays, if set, is called (without mu held) with the relays a
-	// joining or updating agent names (peers.go).
+	// onRelays, if set, is called with the relays a joining or updating
+	// agent names (peers.go): with mu held on a join, so that they are
+	// known before the agent is routable; without on an update.
 	onRelays func([]string)
+	// onJoined, if set, is called (without mu held) once an agent has
+	// joined (agentusage.go: the ledger's claim of its name).
+	onJoined func(name string, p peer.ID)
 	// ops, if set, holds the operator's settings that win over what agents
 	// declare, and the names reserved for provider endpoints (operator.go).
 	ops *operator
@@ -172,12 +176,6 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	if g.ops.isReserved(info.Name) {
 		return fmt.Errorf("%w: %q is a provider endpoint", ErrNameTaken, info.Name)
 	}
-	// The agent's other relays are learned before it is routable, so that
-	// a request it could serve first waits for their session bindings
-	// (peers.go). A peer relay still has to prove the join secret.
-	if g.onRelays != nil && len(info.Relays) > 0 {
-		g.onRelays(info.Relays)
-	}
 	g.mu.Lock()
 	if g.isBannedLocked(p, time.Now()) {
 		g.mu.Unlock()
@@ -207,6 +205,13 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	if oldName != "" {
 		g.withdrawLocked(oldName)
 	}
+	// The agent's other relays are learned before it is routable, so that
+	// a request it could serve first waits for their session bindings
+	// (peers.go; it takes its own lock and never the registry's). A peer
+	// relay still has to prove the join secret.
+	if g.onRelays != nil && len(info.Relays) > 0 {
+		g.onRelays(info.Relays)
+	}
 	g.publishLocked(e, true)
 	g.mu.Unlock()
 
@@ -215,6 +220,9 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	}
 	g.log.Info().Str("agent", info.Name).Stringer("peer", p).Strs("models", info.Models).
 		Int("capacity", info.Capacity).Bool("draining", info.Draining).Msg("agent joined")
+	if g.onJoined != nil {
+		g.onJoined(info.Name, p)
+	}
 	return nil
 }
 
@@ -345,6 +353,17 @@ func (g *Registry) upstream(name string) (string, peer.ID, bool) {
 		return "", "", false
 	}
 	return e.host, e.peer, true
+}
+
+// registration returns the agent name peer p joined as and when.
+func (g *Registry) registration(p peer.ID) (string, time.Time, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e, ok := g.byPeer[p]
+	if !ok {
+		return "", time.Time{}, false
+	}
+	return e.name, e.joinedAt, true
 }
 
 // Name returns the agent name peer p joined as.

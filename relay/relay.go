@@ -149,6 +149,7 @@ func New(cfg Config) (*Relay, error) {
 			r.peers = newPeerManager(r)
 			r.reg.onRelays = r.peers.hint
 		}
+		r.reg.onJoined = r.claimAgent // agentusage.go
 		join, err := transport.ServeJoin(r.host, cfg.Token, r.reg)
 		if err != nil {
 			if r.ownHost {
@@ -157,7 +158,7 @@ func New(cfg Config) (*Relay, error) {
 			return nil, fmt.Errorf("relay: join service: %w", err)
 		}
 		r.join = join
-		if err := transport.ServeAgentUsage(r.host, cfg.Token, r.agentUsage); err != nil { // agentusage.go
+		if err := transport.ServeAgentUsage(join.(*transport.JoinServer), r.agentUsage); err != nil { // agentusage.go
 			_ = join.Close()
 			if r.ownHost {
 				_ = r.host.Close()

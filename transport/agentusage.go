@@ -108,16 +108,22 @@ func QueryAgentUsage(ctx context.Context, h host.Host, relay peer.ID, token []by
 // since since, as JSON; an error is sent to the asker as the reason.
 type AgentUsageAnswer func(agent peer.ID, since string) ([]byte, error)
 
-// ServeAgentUsage answers AgentUsageProtocol streams on h with answer,
-// for askers that prove token and the agent's key. Remove the handler
-// with h.RemoveStreamHandler(AgentUsageProtocol).
-func ServeAgentUsage(h host.Host, token []byte, answer AgentUsageAnswer) error {
-	if len(token) == 0 {
-		return errors.New("agent usage: empty token")
+// maxAgentUsageAnswers bounds the answers computed at once: each reads
+// the ledger.
+const maxAgentUsageAnswers = 2
+
+// ServeAgentUsage answers AgentUsageProtocol streams on js's host with
+// answer, for askers that prove js's secret and the agent's key. Failed
+// proofs count in js's back-off, as failed joins do, so that guessing the
+// secret is no faster here. Remove the handler with
+// RemoveStreamHandler(AgentUsageProtocol).
+func ServeAgentUsage(js *JoinServer, answer AgentUsageAnswer) error {
+	if js == nil || answer == nil {
+		return errors.New("agent usage: no join server or no answer")
 	}
-	hs := agentUsageHandshake(token)
-	// Guessing the secret here is as slow as on the join protocol.
-	lim := newJoinLimiter()
+	h, lim := js.h, js.lim
+	hs := agentUsageHandshake(js.token)
+	busy := make(chan struct{}, maxAgentUsageAnswers)
 	h.SetStreamHandler(AgentUsageProtocol, func(s network.Stream) {
 		defer s.Close()
 		_ = s.SetDeadline(time.Now().Add(2 * handshakeTimeout))
@@ -146,6 +152,13 @@ func ServeAgentUsage(h host.Host, token []byte, answer AgentUsageAnswer) error {
 		}
 		lim.succeeded(asker, ip)
 		if err := hs.Welcome(s, hello, h.ID(), asker); err != nil {
+			return
+		}
+		select {
+		case busy <- struct{}{}:
+			defer func() { <-busy }()
+		default:
+			_ = hs.Reject(s, "the relay is answering other usage questions; retry in a moment")
 			return
 		}
 		body, err := answer(agent, since)

@@ -86,6 +86,7 @@ func runAgentUsage(ctx context.Context, args []string, lookupEnv func(string) (s
 	}
 	defer h.Close()
 	var reports []relay.AgentUsage
+	var answered []string // the relay of each report
 	var failed []string
 	for _, addr := range relays {
 		ai, err := peer.AddrInfoFromString(addr)
@@ -98,6 +99,7 @@ func runAgentUsage(ctx context.Context, args []string, lookupEnv func(string) (s
 			continue
 		}
 		reports = append(reports, rep)
+		answered = append(answered, addr)
 	}
 	for _, f := range failed {
 		fmt.Fprintf(stderr, "agent usage: relay %s\n", f)
@@ -127,7 +129,7 @@ func runAgentUsage(ctx context.Context, args []string, lookupEnv func(string) (s
 				}
 				head := "relay"
 				if j > 0 {
-					head = relays[i]
+					head = answered[i]
 				}
 				_ = cw.Write(append([]string{head}, rec...))
 			}
@@ -139,7 +141,10 @@ func runAgentUsage(ctx context.Context, args []string, lookupEnv func(string) (s
 		if i > 0 {
 			fmt.Fprintln(stdout)
 		}
-		fmt.Fprintf(stdout, "agent %s on relay %s\n", rep.Agent, relays[i])
+		fmt.Fprintf(stdout, "agent %s on relay %s\n", rep.Agent, answered[i])
+		if rep.Note != "" {
+			fmt.Fprintf(stdout, "note: %s\n", rep.Note)
+		}
 		if !rep.Ledger.OK {
 			fmt.Fprintf(stdout, "warning: the relay's usage ledger cannot write its file (%s)\n", rep.Ledger.Error)
 		}

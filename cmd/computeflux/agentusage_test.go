@@ -44,7 +44,7 @@ func TestAgentUsageCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := transport.LoadOrCreateIdentity(idFile("gpu-2")); err != nil {
+	if _, err := transport.LoadOrCreateIdentity(idFile("gpu-3")); err != nil {
 		t.Fatal(err)
 	}
 	h, err := transport.NewHost(transport.HostConfig{ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Key: key1})
@@ -102,12 +102,67 @@ func TestAgentUsageCommand(t *testing.T) {
 		t.Fatalf("gpu-1's report %+v", reps)
 	}
 
+	// A relay that refuses (another join secret) is reported as such, and
+	// the answer of the next one is labelled with its own address.
+	other, err := relay.New(relay.Config{P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Token: []byte("another-secret-0123456789"), NoAuth: true, Ledger: l})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	otherAddr := other.Addrs()[0].String()
+	out, stderr, err := run("--relay", otherAddr, "--relay", relayAddr, "--token-file", tf, "--identity", idFile("gpu-1"))
+	if err == nil || !strings.Contains(err.Error(), "1 of 2 relays did not answer") || !strings.Contains(stderr, "invalid proof") {
+		t.Fatalf("one relay refusing: %v, stderr %q", err, stderr)
+	}
+	if !strings.Contains(out, "agent gpu-1 on relay "+relayAddr) || strings.Contains(out, otherAddr) {
+		t.Fatalf("the answering relay mislabelled:\n%s", out)
+	}
+
+	// Another identity that takes the name while its first owner is away
+	// sees nothing of what was served under it before.
+	m.Close()
+	key2, err := transport.LoadOrCreateIdentity(idFile("gpu-2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	h2, err := transport.NewHost(transport.HostConfig{ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Key: key2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h2.Close()
+	if err := h2.Connect(ctx, r.Host().Peerstore().PeerInfo(r.Host().ID())); err != nil {
+		t.Fatal(err)
+	}
+	var m2 *transport.Membership
+	deadline := time.Now().Add(20 * time.Second)
+	for m2 == nil {
+		// The name is free once the relay has seen gpu-1's registration end.
+		if m2, err = transport.Join(ctx, h2, r.Host().ID(), []byte(secret), transport.JoinInfo{Name: "gpu-1", Models: []string{"llama"}}); err != nil {
+			if time.Now().After(deadline) {
+				t.Fatalf("a second identity could not take the name: %v", err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	defer m2.Close()
+	out, _, err = run("--relay", relayAddr, "--token-file", tf, "--identity", idFile("gpu-2"), "--format", "json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	reps = nil
+	if err := json.Unmarshal([]byte(out), &reps); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if len(reps) != 1 || reps[0].Agent != "gpu-1" || reps[0].Total.Requests != 0 || len(reps[0].Rows) != 0 || !strings.Contains(reps[0].Note, "another identity") {
+		t.Fatalf("the name's second identity sees %+v", reps)
+	}
+
 	// Refusals, each saying why.
 	for _, c := range []struct {
 		args []string
 		want string
 	}{
-		{[]string{"--relay", relayAddr, "--token-file", tf, "--identity", idFile("gpu-2")}, "not joined to this relay"},
+		{[]string{"--relay", relayAddr, "--token-file", tf, "--identity", idFile("gpu-3")}, "not joined to this relay"},
 		{[]string{"--relay", relayAddr, "--token", "another-secret-0123456789", "--identity", idFile("gpu-1")}, "invalid proof"},
 		{[]string{"--relay", relayAddr, "--token-file", tf, "--identity", filepath.Join(dir, "none.key")}, "identity file"},
 		{[]string{"--token-file", tf, "--identity", idFile("gpu-1")}, "--relay"},

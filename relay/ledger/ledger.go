@@ -280,6 +280,15 @@ func (l *Ledger) SetPeer(peer string, spent []ClientSpent) {
 	l.peersMu.Unlock()
 }
 
+// ClaimAgent records owner (an agent's peer ID) as the identity of the
+// agent name, unless another identity served under the name first, and
+// returns the name's owner: only the owner may read the name's history
+// (the relay's `computeflux agent usage`). The claim lasts as long as the
+// file.
+func (l *Ledger) ClaimAgent(agent, owner string) (string, error) {
+	return l.store.Claim(agent, owner)
+}
+
 // MergePeer updates what peer relay peer reported, client by client: a
 // report too large for one message comes in parts. A peer's report holds
 // at most MaxPeerClients clients; further new ones are dropped.

@@ -53,6 +53,9 @@ type Store interface {
 	Seal(hour int64) error
 	// Prune deletes hourly rows before hour and daily rows before day.
 	Prune(hour, day int64) error
+	// Claim records owner as the identity of agent name, unless another
+	// owner claimed the name first, and returns the name's owner.
+	Claim(agent, owner string) (string, error)
 	// Close releases the store.
 	Close() error
 }
@@ -65,6 +68,7 @@ var (
 	bucketDaily      = []byte("daily")       // sealed days, packed
 	bucketHourlyOpen = []byte("hourly-open") // the hours Apply updates
 	bucketDailyOpen  = []byte("daily-open")  // the days Apply updates
+	bucketOwners     = []byte("owners")      // agent name -> the peer ID that first served under it
 	keySeq           = []byte("seq")
 	keyVersion       = []byte("version")
 )
@@ -145,7 +149,7 @@ func (s *BoltStore) open() (err error) {
 	ids := map[string]uint32{}
 	var names []string
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketMeta, bucketIDs, bucketHourly, bucketDaily, bucketHourlyOpen, bucketDailyOpen} {
+		for _, b := range [][]byte{bucketMeta, bucketIDs, bucketHourly, bucketDaily, bucketHourlyOpen, bucketDailyOpen, bucketOwners} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -205,6 +209,27 @@ func (s *BoltStore) guard(fn func() error) (err error) {
 		return err
 	}
 	return fn()
+}
+
+// Claim implements Store.
+func (s *BoltStore) Claim(agent, owner string) (cur string, err error) {
+	if agent == "" || owner == "" {
+		return "", errors.New("ledger: claim without an agent or an owner")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	err = s.guard(func() error {
+		return s.db.Update(func(tx *bolt.Tx) error {
+			b := tx.Bucket(bucketOwners)
+			if v := b.Get([]byte(agent)); v != nil {
+				cur = string(v)
+				return nil
+			}
+			cur = owner
+			return b.Put([]byte(agent), []byte(owner))
+		})
+	})
+	return cur, err
 }
 
 // Seq implements Store.
