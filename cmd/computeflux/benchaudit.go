@@ -26,20 +26,16 @@ import (
 //	           operator's reference
 func runBenchAudit(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var parts string
-	var quiet, noLlama bool
+	var noLlama bool
 	cfg := chaos.AuditConfig{}
-	fs := liveFlagSet("audit", stderr, &quiet)
+	fs := newLiveFlags("audit", stderr)
 	fs.StringVar(&parts, "parts", "catch,honest,collusion", "comma-separated `parts`: catch, honest, collusion")
 	fs.DurationVar(&cfg.Duration, "duration", 10*time.Minute, "load of the honest part (catch: a fifth of it, at least 2m; collusion: a tenth, at least 1m)")
 	fs.IntVar(&cfg.Workers, "clients", 4, "concurrent clients")
 	fs.BoolVar(&noLlama, "no-llama", false, "leave out the llama.cpp engines")
-	bin, err := parseLive(fs, args)
-	if err != nil {
+	var err error
+	if cfg.Binary, cfg.Progress, err = fs.parse(args); err != nil {
 		return err
-	}
-	cfg.Binary = bin
-	if !quiet {
-		cfg.Progress = stderr
 	}
 	llama := !noLlama
 	if err := llamaengine.Available(""); llama && err != nil {

@@ -30,30 +30,39 @@ func liveScenario(args []string) string {
 	return ""
 }
 
-// liveFlagSet returns the flag set of a live scenario with its --scenario
-// and --quiet flags.
-func liveFlagSet(scenario string, stderr io.Writer, quiet *bool) *flag.FlagSet {
-	fs := flag.NewFlagSet("bench --scenario "+scenario, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.String("scenario", scenario, scenario)
-	fs.BoolVar(quiet, "quiet", false, "no progress lines on stderr")
-	return fs
+// liveFlags is the flag set of a live scenario, with its --scenario and
+// --quiet flags.
+type liveFlags struct {
+	*flag.FlagSet
+	quiet  bool
+	stderr io.Writer
 }
 
-// parseLive parses a live scenario's command line and returns this
-// binary's path: the scenario runs it as its processes.
-func parseLive(fs *flag.FlagSet, args []string) (string, error) {
-	if err := fs.Parse(args); err != nil {
-		return "", err
+func newLiveFlags(scenario string, stderr io.Writer) *liveFlags {
+	lf := &liveFlags{FlagSet: flag.NewFlagSet("bench --scenario "+scenario, flag.ContinueOnError), stderr: stderr}
+	lf.SetOutput(stderr)
+	lf.String("scenario", scenario, scenario)
+	lf.BoolVar(&lf.quiet, "quiet", false, "no progress lines on stderr")
+	return lf
+}
+
+// parse parses a live scenario's command line and returns this binary's
+// path (the scenario runs it as its processes) and where progress lines
+// go (nil with --quiet).
+func (lf *liveFlags) parse(args []string) (bin string, progress io.Writer, err error) {
+	if err := lf.Parse(args); err != nil {
+		return "", nil, err
 	}
-	if fs.NArg() > 0 {
-		return "", fmt.Errorf("bench: unexpected arguments %q", fs.Args())
+	if lf.NArg() > 0 {
+		return "", nil, fmt.Errorf("bench: unexpected arguments %q", lf.Args())
 	}
-	bin, err := os.Executable()
-	if err != nil {
-		return "", fmt.Errorf("%s: %w", fs.Name(), err)
+	if bin, err = os.Executable(); err != nil {
+		return "", nil, fmt.Errorf("%s: %w", lf.Name(), err)
 	}
-	return bin, nil
+	if !lf.quiet {
+		progress = lf.stderr
+	}
+	return bin, progress, nil
 }
 
 // runBenchChaos runs the chaos scenario live: this very binary as a relay,
@@ -61,21 +70,16 @@ func parseLive(fs *flag.FlagSet, args []string) (string, error) {
 // frozen and woken, and the first restarted; it prints the figures.
 func runBenchChaos(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	cfg := chaos.Config{}
-	var quiet bool
-	fs := liveFlagSet("chaos", stderr, &quiet)
+	fs := newLiveFlags("chaos", stderr)
 	fs.IntVar(&cfg.Agents, "engines", chaos.DefaultAgents, "engines, each with its agent (at least 3)")
 	fs.IntVar(&cfg.Workers, "sessions", chaos.DefaultWorkers, "concurrent sessions; every other one streams")
 	fs.DurationVar(&cfg.Freeze, "freeze", chaos.DefaultFreeze, "how long the frozen agent stays SIGSTOPped")
 	fs.Float64Var(&cfg.TimeScale, "time-scale", chaos.DefaultTimeScale, "run the engines this many times faster than real time")
 	fs.IntVar(&cfg.MaxTokens, "answer-tokens", chaos.DefaultMaxTokens, "tokens per answer")
 	timeout := fs.Duration("timeout", 2*time.Minute, "bound on the whole run")
-	bin, err := parseLive(fs, args)
-	if err != nil {
+	var err error
+	if cfg.Binary, cfg.Progress, err = fs.parse(args); err != nil {
 		return err
-	}
-	cfg.Binary = bin
-	if !quiet {
-		cfg.Progress = stderr
 	}
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
@@ -94,8 +98,7 @@ func runBenchChaos(ctx context.Context, args []string, stdout, stderr io.Writer)
 // round-robin).
 func runBenchSoak(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	cfg := chaos.SoakConfig{}
-	var quiet bool
-	fs := liveFlagSet("soak", stderr, &quiet)
+	fs := newLiveFlags("soak", stderr)
 	fs.IntVar(&cfg.Agents, "engines", chaos.DefaultSoakAgents, "engines, each with its agent (at least 2)")
 	fs.IntVar(&cfg.Clients, "clients", chaos.DefaultSoakClients, "concurrent clients")
 	fs.DurationVar(&cfg.Duration, "duration", chaos.DefaultSoakDuration, "how long the clients run")
@@ -107,8 +110,8 @@ func runBenchSoak(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	fs.IntVar(&cfg.MaxTokens, "max-tokens", chaos.DefaultSoakMaxTokens, "longest answer in tokens")
 	fs.Uint64Var(&cfg.Seed, "seed", 1, "seed of the conversations")
 	logFile := fs.String("log-file", "", "write every process's output to this `file`, each line prefixed with the process's name")
-	bin, err := parseLive(fs, args)
-	if err != nil {
+	var err error
+	if cfg.Binary, cfg.Progress, err = fs.parse(args); err != nil {
 		return err
 	}
 	if *logFile != "" {
@@ -119,10 +122,6 @@ func runBenchSoak(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		defer f.Close()
 		cfg.Echo = &lockedWriter{w: bufio.NewWriterSize(f, 1<<20)}
 		defer cfg.Echo.(*lockedWriter).flush()
-	}
-	cfg.Binary = bin
-	if !quiet {
-		cfg.Progress = stderr
 	}
 	// Bounded: both runs, and time to start and stop the processes.
 	ctx, cancel := context.WithTimeout(ctx, 2*cfg.Duration+5*time.Minute)

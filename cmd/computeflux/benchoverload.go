@@ -15,8 +15,8 @@ import (
 // prints both.
 func runBenchOverload(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	cfg := chaos.OverloadConfig{}
-	var quiet, compare bool
-	fs := liveFlagSet("overload", stderr, &quiet)
+	var compare bool
+	fs := newLiveFlags("overload", stderr)
 	fs.IntVar(&cfg.Engines, "engines", chaos.DefaultOverloadEngines, "sim engines, each with its agent")
 	fs.IntVar(&cfg.Slots, "max-running", chaos.DefaultOverloadSlots, "each engine's batch")
 	fs.IntVar(&cfg.Relays, "relays", 1, "relays (1 or 2; with 2 the light client uses the first, the heavy ones the second)")
@@ -30,13 +30,9 @@ func runBenchOverload(ctx context.Context, args []string, stdout, stderr io.Writ
 	fs.BoolVar(&cfg.RestartRelay, "restart-relay", false, "with --relays 2: kill the first relay under load and start it again")
 	fs.BoolVar(&compare, "compare", false, "run the fleet without a queue (--queue-wait=-1s, --dispatch-limit=-1) first, side by side")
 	timeout := fs.Duration("timeout", 10*time.Minute, "bound on the whole run")
-	bin, err := parseLive(fs, args)
-	if err != nil {
+	var err error
+	if cfg.Binary, cfg.Progress, err = fs.parse(args); err != nil {
 		return err
-	}
-	cfg.Binary = bin
-	if !quiet {
-		cfg.Progress = stderr
 	}
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
