@@ -284,7 +284,8 @@ func (l *Ledger) SetPeer(peer string, spent []ClientSpent) {
 // agent name, unless another identity served under the name first, and
 // returns the name's owner: only the owner may read the name's history
 // (the relay's `computeflux agent usage`). The claim lasts as long as the
-// file.
+// file. The file holds at most Config.MaxNames claims; past that a new
+// name stays unclaimed and the owner returned is "" (nobody's).
 func (l *Ledger) ClaimAgent(agent, owner string) (string, error) {
 	return l.store.Claim(agent, owner)
 }

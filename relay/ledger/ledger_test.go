@@ -601,3 +601,40 @@ func TestConfigPopulateKeepsFields(t *testing.T) {
 		t.Errorf("defaults %+v", z)
 	}
 }
+
+// The first identity to claim a name keeps it, across a reopen; the
+// claims are bounded like the names, and a name past the bound is
+// nobody's.
+func TestClaimAgent(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "ledger.db")
+	s, err := OpenBolt(path, 3, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ agent, owner, want string }{
+		{"gpu-1", "peer-a", "peer-a"},
+		{"gpu-1", "peer-b", "peer-a"}, // taken by another identity
+		{"gpu-1", "peer-a", "peer-a"}, // a rejoin
+		{"gpu-2", "peer-b", "peer-b"},
+		{"gpu-3", "peer-c", "peer-c"},
+		{"gpu-4", "peer-d", ""}, // past the bound: unclaimed
+	} {
+		if got, err := s.Claim(c.agent, c.owner); err != nil || got != c.want {
+			t.Fatalf("claim %s by %s: %q, %v; want %q", c.agent, c.owner, got, err, c.want)
+		}
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	s, err = OpenBolt(path, 3, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if got, _ := s.Claim("gpu-2", "peer-z"); got != "peer-b" {
+		t.Fatalf("gpu-2 after a reopen: owner %q, want peer-b", got)
+	}
+	if got, _ := s.Claim("gpu-5", "peer-e"); got != "" {
+		t.Fatalf("a new name after a reopen at the bound: owner %q, want none", got)
+	}
+}

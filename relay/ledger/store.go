@@ -54,7 +54,8 @@ type Store interface {
 	// Prune deletes hourly rows before hour and daily rows before day.
 	Prune(hour, day int64) error
 	// Claim records owner as the identity of agent name, unless another
-	// owner claimed the name first, and returns the name's owner.
+	// owner claimed the name first, and returns the name's owner ("" when
+	// the name is unclaimed and no more claims fit).
 	Claim(agent, owner string) (string, error)
 	// Close releases the store.
 	Close() error
@@ -98,8 +99,9 @@ type BoltStore struct {
 
 	mu    sync.RWMutex // guards db and the dictionary; a writer holds it for Apply and Prune
 	db    *bolt.DB
-	ids   map[string]uint32
-	names []string // by id; "" for ids not used
+	ids    map[string]uint32
+	names  []string // by id; "" for ids not used
+	owners int      // claims in bucketOwners
 }
 
 // OpenBolt returns the store of the file at path, created if missing,
@@ -147,6 +149,7 @@ func (s *BoltStore) open() (err error) {
 	}
 	s.db = db
 	ids := map[string]uint32{}
+	var owners int
 	var names []string
 	err = db.Update(func(tx *bolt.Tx) error {
 		for _, b := range [][]byte{bucketMeta, bucketIDs, bucketHourly, bucketDaily, bucketHourlyOpen, bucketDailyOpen, bucketOwners} {
@@ -165,6 +168,7 @@ func (s *BoltStore) open() (err error) {
 				return fmt.Errorf("layout version %d, want %d", n, fileVersion)
 			}
 		}
+		owners = tx.Bucket(bucketOwners).Stats().KeyN
 		return tx.Bucket(bucketIDs).ForEach(func(k, v []byte) error {
 			if len(k) != 4 {
 				return errors.New("a name id is not 4 bytes")
@@ -181,7 +185,7 @@ func (s *BoltStore) open() (err error) {
 	if err != nil {
 		return fmt.Errorf("ledger file %s: %w", s.path, err)
 	}
-	s.ids, s.names = ids, names
+	s.ids, s.names, s.owners = ids, names, owners
 	return nil
 }
 
@@ -219,6 +223,22 @@ func (s *BoltStore) Claim(agent, owner string) (cur string, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	err = s.guard(func() error {
+		// A rejoin finds its claim without a write (and a sync).
+		if err := s.db.View(func(tx *bolt.Tx) error {
+			if v := tx.Bucket(bucketOwners).Get([]byte(agent)); v != nil {
+				cur = string(v)
+			}
+			return nil
+		}); err != nil || cur != "" {
+			return err
+		}
+		if s.owners >= s.maxNames {
+			// As many claims as the dictionary holds names: names that
+			// strangers join under do not grow the file without bound.
+			// An unclaimed name is nobody's: its history is shown to no
+			// one (see ClaimAgent).
+			return nil
+		}
 		return s.db.Update(func(tx *bolt.Tx) error {
 			b := tx.Bucket(bucketOwners)
 			if v := b.Get([]byte(agent)); v != nil {
@@ -226,7 +246,11 @@ func (s *BoltStore) Claim(agent, owner string) (cur string, err error) {
 				return nil
 			}
 			cur = owner
-			return b.Put([]byte(agent), []byte(owner))
+			if err := b.Put([]byte(agent), []byte(owner)); err != nil {
+				return err
+			}
+			s.owners++
+			return nil
 		})
 	})
 	return cur, err
