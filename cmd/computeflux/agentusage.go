@@ -175,23 +175,3 @@ func askRelay(ctx context.Context, h host.Host, ai peer.AddrInfo, secret []byte,
 	}
 	return rep, nil
 }
-
-// joinSecret returns the join secret from --token or --token-file.
-func joinSecret(token, file string) ([]byte, error) {
-	switch {
-	case token != "" && file != "":
-		return nil, errors.New("give --token or --token-file, not both")
-	case file != "":
-		b, err := os.ReadFile(file)
-		if err != nil {
-			return nil, fmt.Errorf("token file: %w", err)
-		}
-		if s := strings.TrimSpace(string(b)); s != "" {
-			return []byte(s), nil
-		}
-		return nil, fmt.Errorf("token file %s is empty", file)
-	case token != "":
-		return []byte(token), nil
-	}
-	return nil, errors.New("give the join secret with --token-file (or --token)")
-}

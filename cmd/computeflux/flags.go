@@ -216,3 +216,24 @@ func (g *gossipFlags) agentConfig() (agent.GossipConfig, error) {
 	}
 	return agent.GossipConfig{Disabled: g.disabled, Preset: g.preset, Tune: tune}, nil
 }
+
+// joinSecret returns the join secret from --token or --token-file (the
+// relay's and `agent usage`'s; the agent reads its own, agent.Config).
+func joinSecret(token, file string) ([]byte, error) {
+	switch {
+	case token != "" && file != "":
+		return nil, errors.New("give --token or --token-file, not both")
+	case file != "":
+		b, err := os.ReadFile(file)
+		if err != nil {
+			return nil, fmt.Errorf("--token-file: %w", err)
+		}
+		if s := strings.TrimSpace(string(b)); s != "" {
+			return []byte(s), nil
+		}
+		return nil, fmt.Errorf("token file %s is empty", file)
+	case token != "":
+		return []byte(token), nil
+	}
+	return nil, errors.New("give the join secret with --token-file (or --token)")
+}

@@ -163,20 +163,11 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 			cfg.P2PListen = append(cfg.P2PListen, a)
 		}
 	}
-	switch {
-	case token != "" && tokenFile != "":
-		return cfg, tf, errors.New("relay: give --token or --token-file, not both")
-	case tokenFile != "":
-		b, err := os.ReadFile(tokenFile)
-		if err != nil {
-			return cfg, tf, fmt.Errorf("relay: --token-file: %w", err)
-		}
-		token = strings.TrimSpace(string(b))
+	secret, err := joinSecret(token, tokenFile)
+	if err != nil {
+		return cfg, tf, fmt.Errorf("relay: %w", err)
 	}
-	if token == "" {
-		return cfg, tf, errors.New("relay: a join token is required (--token-file or --token)")
-	}
-	cfg.Token = []byte(token)
+	cfg.Token = secret
 	if keysFile != "" {
 		keys, err := relay.LoadAPIKeys(keysFile)
 		if err != nil {
