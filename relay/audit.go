@@ -514,6 +514,7 @@ type modelTraffic struct {
 	n       int                  // shapes seen; the ring holds the last len(shapes)
 	clients map[string]time.Time // client names that used the model recently
 	sampled time.Time            // when a request was last decoded for its shape
+	tapped  time.Time            // when an answer was last kept for the answer checks
 }
 
 // maxShapeKeys bounds the top-level fields remembered of a request.
@@ -538,6 +539,39 @@ const maxClientsPerModel = 64
 // its prompt's size): decoding every request would cost the relay's hot
 // path a JSON parse of the prompt.
 const shapeEvery = 200 * time.Millisecond
+
+// answerEvery is how often a model's answer is kept and parsed for the
+// answer checks (CheckAnswer): at most 50 a second per model, which checks
+// every answer of light traffic and a steady sample of heavy traffic
+// (parsing every answer cost about a sixth of the relay's CPU on small
+// answers). An agent is sampled in proportion to what it serves.
+const answerEvery = 20 * time.Millisecond
+
+// tapDue reports whether the answer to a request of model that starts now
+// should be kept for the answer checks.
+func (a *auditor) tapDue(model string) bool {
+	now := a.r.cfg.Clock.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	t := a.traffic[model]
+	if t == nil {
+		return true // the model's first request: answered records it
+	}
+	if now.Sub(t.tapped) < answerEvery {
+		return false
+	}
+	t.tapped = now
+	return true
+}
+
+// served counts the tokens an agent served a client, which the audit
+// budget is a share of.
+func (a *auditor) served(tokens int64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.budget.Served(int(tokens))
+	a.m.served.Add(float64(max(tokens, 0)))
+}
 
 // answered takes one client request for model, sent by client (the API
 // key's name; empty without keys), and its answer as tap saw it: the
@@ -573,11 +607,9 @@ func (a *auditor) answered(model, client string, body []byte, h http.Header, str
 	if agent == "" || a.r.providers.get(agent) != nil {
 		return
 	}
-	events, ok := tap.observed(&o, stream)
-	if !ok {
-		return
+	if _, ok := tap.observed(&o, stream); ok {
+		a.observeAnswer(agent, o)
 	}
-	a.observeAnswer(agent, o, events)
 }
 
 // addShape keeps a request's shape for model.
@@ -823,20 +855,12 @@ func (a *auditor) text(n int) string {
 	return strings.TrimSpace(b.String())
 }
 
-// observeAnswer takes one answered client request of agent: its tokens
-// feed the budget, and the cheap checks look at it. events is the
-// answer's stream events (0 for a whole answer).
-func (a *auditor) observeAnswer(agent string, o audit.Observed, events int) {
-	tokens := estimateTokens(o.RequestBytes, o.CompletionText, events)
-	if o.Usage != nil {
-		tokens = o.Usage.Prompt + o.Usage.Completion
-	}
+// observeAnswer runs the cheap checks on one sampled answer of agent.
+func (a *auditor) observeAnswer(agent string, o audit.Observed) {
 	findings := audit.CheckAnswer(o, audit.Limits{})
 	now := a.r.cfg.Clock.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	a.budget.Served(tokens)
-	a.m.served.Add(float64(max(tokens, 0)))
 	for _, f := range findings {
 		a.finding(now, audit.Key{Agent: agent, Model: o.Model}, f)
 	}

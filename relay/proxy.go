@@ -194,7 +194,7 @@ func (r *Relay) prepareInference(p *proxied) error {
 	if p.w, err = r.routeAPI(p.w, p.req, rt, &sr); err != nil { // responses.go
 		return err
 	}
-	if r.audits != nil && p.path == "/v1/chat/completions" {
+	if r.audits != nil && p.path == "/v1/chat/completions" && r.audits.tapDue(rt.model) {
 		// finish hands the answer to the auditor (audit.go).
 		p.tap = newAnswerTap(p.w)
 		p.w, p.stream = p.tap, rt.stream
@@ -321,6 +321,9 @@ func (r *Relay) finish(p *proxied, c scheduler.Choice, n int, res *attemptResult
 	if p.queued {
 		p.queued = false
 		r.queue.finished(p.rl.flow) // a slot freed
+	}
+	if res.committed && r.audits != nil && p.path == "/v1/chat/completions" && r.providers.get(c.EndpointID) == nil {
+		r.audits.served(p.rl.tokens(len(p.body))) // the audit budget's base
 	}
 	if res.committed && p.tap != nil {
 		client := ""

@@ -173,19 +173,29 @@ func (r *Relay) recordUsage(p *proxied, end time.Time) {
 			e.Agent = rl.agent
 		}
 	}
-	switch u := &rl.usage; {
-	case u.seen:
-		e.PromptTokens, e.CachedTokens, e.CompletionTokens = u.prompt, u.cached, u.completion
-	case rl.answered:
-		// The engine said nothing: estimate what it did.
-		e.PromptTokens = int64(len(p.body)) / estimateBytesPerToken
-		e.CompletionTokens = rl.guess
-		e.Estimated = true
+	if rl.answered || rl.usage.seen {
+		e.PromptTokens, e.CachedTokens, e.CompletionTokens, e.Estimated = rl.tokenCounts(len(p.body))
 	}
 	r.metrics.observeTokens(e.Client, rl.agent, e.PromptTokens, e.CachedTokens, e.CompletionTokens)
 	if l := r.cfg.Ledger; l != nil {
 		l.Record(e)
 	}
+}
+
+// tokenCounts returns what the answer said about its tokens or, when it
+// said nothing, an estimate from the request's bodyBytes and what was
+// streamed (estimated true).
+func (rl *reqLog) tokenCounts(bodyBytes int) (prompt, cached, completion int64, estimated bool) {
+	if u := &rl.usage; u.seen {
+		return u.prompt, u.cached, u.completion, false
+	}
+	return int64(bodyBytes) / estimateBytesPerToken, 0, rl.guess, true
+}
+
+// tokens returns the answer's prompt and completion tokens (tokenCounts).
+func (rl *reqLog) tokens(bodyBytes int) int64 {
+	prompt, _, completion, _ := rl.tokenCounts(bodyBytes)
+	return prompt + completion
 }
 
 // checkBudget refuses a request of client c once c's budget is used up:
