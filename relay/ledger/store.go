@@ -97,8 +97,8 @@ type BoltStore struct {
 	maxBytes int
 	noSync   bool
 
-	mu    sync.RWMutex // guards db and the dictionary; a writer holds it for Apply and Prune
-	db    *bolt.DB
+	mu     sync.RWMutex // guards db and the dictionary; a writer holds it for Apply and Prune
+	db     *bolt.DB
 	ids    map[string]uint32
 	names  []string // by id; "" for ids not used
 	owners int      // claims in bucketOwners
