@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 )
 
@@ -23,7 +24,11 @@ type genRequest struct {
 	tokens    []Token
 	maxTokens int // 0 means the server's default
 	stream    bool
-	resp      *respMeta // Responses API requests only
+	// draw is what a sampled request's answer depends on beyond its
+	// prompt: its seed, or a random draw without one; 0 for greedy
+	// decoding (no temperature, or 0), whose answer is the prompt's alone.
+	draw uint64
+	resp *respMeta // Responses API requests only
 }
 
 type streamOptions struct {
@@ -39,6 +44,25 @@ type chatRequest struct {
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
 	N                   *int            `json:"n"`
 	PromptCacheKey      json.RawMessage `json:"prompt_cache_key"` // routing hint for relays; ignored here
+	sampling
+}
+
+// sampling is a request's decoding: a temperature above 0 samples, and
+// the seed (or a random draw) selects the answer, as engines under a
+// seed do.
+type sampling struct {
+	Temperature *float64 `json:"temperature"`
+	Seed        *int64   `json:"seed"`
+}
+
+func (s sampling) draw() uint64 {
+	switch {
+	case s.Temperature == nil || *s.Temperature <= 0:
+		return 0
+	case s.Seed != nil:
+		return mix64(uint64(*s.Seed)) | 1
+	}
+	return rand.Uint64() | 1
 }
 
 type chatMessage struct {
@@ -58,6 +82,7 @@ type completionRequest struct {
 	StreamOptions *streamOptions  `json:"stream_options"`
 	MaxTokens     *int            `json:"max_tokens"`
 	N             *int            `json:"n"`
+	sampling
 }
 
 // decode unmarshals body into v, answering malformed JSON with a 400.
@@ -112,7 +137,7 @@ func parseChat(body []byte) (*genRequest, error) {
 	b.WriteString(chatGenerationPrompt)
 	prompt := b.String()
 	return &genRequest{kind: kindChat, model: cr.Model, prompt: prompt, tokens: Tokenize(nil, prompt),
-		maxTokens: maxTokens, stream: cr.Stream}, nil
+		maxTokens: maxTokens, stream: cr.Stream, draw: cr.draw()}, nil
 }
 
 // chatGenerationPrompt opens the assistant's turn.
@@ -165,7 +190,7 @@ func parseCompletion(body []byte) (*genRequest, error) {
 	if err != nil {
 		return nil, err
 	}
-	g := &genRequest{kind: kindText, model: cr.Model, maxTokens: maxTokens, stream: cr.Stream}
+	g := &genRequest{kind: kindText, model: cr.Model, maxTokens: maxTokens, stream: cr.Stream, draw: cr.draw()}
 	raw := bytes.TrimSpace(cr.Prompt)
 	var s string
 	var ss []string

@@ -115,6 +115,9 @@ type Request struct {
 	// MaxTokens is the number of tokens to generate: the simulated model
 	// never stops early. At least one.
 	MaxTokens int
+	// Draw selects a sampled answer (a seed's, or a random draw); 0 means
+	// greedy decoding: the prompt's own answer.
+	Draw uint64
 }
 
 // Usage counts a request's tokens, as in OpenAI's usage object.
@@ -408,13 +411,13 @@ func (e *Engine) Lookup(hashes []BlockHash) int {
 // Answer returns the tokens the engine generates for r: a deterministic
 // function of the seed, the prompt and MaxTokens. Its text is AnswerText.
 func (e *Engine) Answer(r *Request) []Token {
-	return answerTokens(answerWords(e.cfg.Seed, e.requestKey(r, r.Hashes), r.MaxTokens))
+	return answerTokens(answerWords(e.cfg.Seed, e.requestKey(r, r.Hashes)^r.Draw, r.MaxTokens))
 }
 
 // AnswerText returns the text of each token of Answer(r); joined, they are
 // the answer's text, which tokenizes back to Answer(r).
 func (e *Engine) AnswerText(r *Request) []string {
-	return answerPieces(answerWords(e.cfg.Seed, e.requestKey(r, r.Hashes), r.MaxTokens))
+	return answerPieces(answerWords(e.cfg.Seed, e.requestKey(r, r.Hashes)^r.Draw, r.MaxTokens))
 }
 
 // Stats returns a snapshot at the engine's current time.
@@ -645,7 +648,7 @@ func (e *Engine) generated(s *seq) int {
 }
 
 // answerKey identifies s's prompt for answer generation.
-func (e *Engine) answerKey(s *seq) uint64 { return e.requestKey(s.req, s.hashes) }
+func (e *Engine) answerKey(s *seq) uint64 { return e.requestKey(s.req, s.hashes) ^ s.req.Draw }
 
 func (e *Engine) requestKey(r *Request, hashes []BlockHash) uint64 {
 	if hashes == nil {

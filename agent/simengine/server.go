@@ -475,9 +475,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, g *genRequest)
 		maxTokens, finish = s.cfg.DefaultMaxTokens, "stop"
 	}
 	id := s.ids.Add(1)
-	req := &Request{ID: id, Tokens: g.tokens, MaxTokens: maxTokens}
+	req := &Request{ID: id, Tokens: g.tokens, MaxTokens: maxTokens, Draw: g.draw}
 	req.Hashes = BlockHashes(nil, req.Tokens, s.cfg.Engine.BlockSize)
-	pieces := answerPieces(answerWords(s.cfg.Engine.Seed, s.eng.requestKey(req, req.Hashes), maxTokens))
+	pieces := answerPieces(answerWords(s.cfg.Engine.Seed, s.eng.requestKey(req, req.Hashes)^req.Draw, maxTokens))
 	c := &call{notify: make(chan struct{}, 1), stream: g.stream}
 
 	s.mu.Lock()

@@ -419,3 +419,53 @@ func TestConfigDefaults(t *testing.T) {
 		t.Fatal("negative time scale accepted")
 	}
 }
+
+// TestSampledAnswersFollowTheSeed: as engines do, a sampled request's
+// answer is the same for the same seed and another for another seed or
+// none; a greedy one depends on the prompt alone. A sampled follow-up
+// turn still finds its earlier answer cached.
+func TestSampledAnswersFollowTheSeed(t *testing.T) {
+	ts := startServer(t, Config{})
+	answer := func(extra map[string]any) string {
+		body := map[string]any{"model": DefaultModel, "max_tokens": 12, "messages": []msg{{"user", "Tell me about rivers."}}}
+		for k, v := range extra {
+			body[k] = v
+		}
+		resp, b := ts.post(t, "/v1/chat/completions", body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		var cr chatResp
+		if err := json.Unmarshal(b, &cr); err != nil {
+			t.Fatal(err)
+		}
+		return cr.Choices[0].Message.Content
+	}
+	greedy := answer(nil)
+	s1, s1again, s2 := answer(map[string]any{"temperature": 0.8, "seed": 1}), answer(map[string]any{"temperature": 0.8, "seed": 1}), answer(map[string]any{"temperature": 0.8, "seed": 2})
+	if s1 != s1again || s1 == s2 || s1 == greedy {
+		t.Errorf("seed 1: %q and %q; seed 2: %q; greedy %q", s1, s1again, s2, greedy)
+	}
+	if a, b := answer(map[string]any{"temperature": 0.8}), answer(map[string]any{"temperature": 0.8}); a == b {
+		t.Errorf("two unseeded sampled answers are the same: %q", a)
+	}
+	if g := answer(map[string]any{"temperature": 0, "seed": 5}); g != greedy {
+		t.Errorf("greedy with a seed %q, without %q", g, greedy)
+	}
+	// The follow-up turn of a sampled answer hits the cache for it.
+	hist := []msg{{"system", Filler(3, 300)}, {"user", "Explain."}}
+	resp, b := ts.post(t, "/v1/chat/completions", map[string]any{"model": DefaultModel, "max_tokens": 20, "temperature": 1, "seed": 9, "messages": hist})
+	var first chatResp
+	if resp.StatusCode != 200 || json.Unmarshal(b, &first) != nil {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	hist = append(hist, first.Choices[0].Message, msg{"user", "More."})
+	_, b = ts.post(t, "/v1/chat/completions", map[string]any{"model": DefaultModel, "max_tokens": 5, "temperature": 1, "seed": 10, "messages": hist})
+	var second chatResp
+	if json.Unmarshal(b, &second) != nil {
+		t.Fatal(string(b))
+	}
+	if want := (first.Usage.PromptTokens + first.Usage.CompletionTokens) / 16 * 16; second.Usage.PromptTokensDetails.CachedTokens != want {
+		t.Errorf("sampled follow-up: cached %d, want %d", second.Usage.PromptTokensDetails.CachedTokens, want)
+	}
+}
