@@ -356,6 +356,7 @@ func (a *Agent) Info() transport.JoinInfo {
 		// relay routes elsewhere instead of sending requests that fail.
 		Draining: a.draining.Load() || !a.engineOK,
 		APIs:     slices.Clone(a.engine.APIs),
+		Engine:   string(a.engine.Kind),
 		Relays:   a.cfg.relayAddrs(),
 	}
 }

@@ -291,7 +291,7 @@ func (r *Relay) AdminHandler() http.Handler {
 			writeJSON(w, http.StatusOK, map[string]any{"disabled": true})
 			return
 		}
-		writeJSON(w, http.StatusOK, r.audits.status())
+		writeJSON(w, http.StatusOK, r.audits.Status())
 	}))
 	mux.HandleFunc("POST /admin/v1/audits/{action}", r.admin(r.serveAuditAction))
 	mux.HandleFunc("GET /status", r.status(func(w http.ResponseWriter, _ *http.Request) {
@@ -574,7 +574,7 @@ func (r *Relay) statusData(operator bool) map[string]any {
 	}
 	if r.audits != nil {
 		// Agents quarantined for a model, with the audit that convicted them.
-		out["quarantined"] = r.audits.quarantined()
+		out["quarantined"] = r.audits.Quarantined()
 	}
 	return out
 }

@@ -128,14 +128,18 @@ func (x *exchange) request(p *proxied, ctx context.Context, tgt target) (*http.R
 	// Parsing the target's URL string on every attempt was a visible cost
 	// on a busy relay: the request is built with an empty URL (parsed for
 	// free) and given the target's, already built.
-	up, err := http.NewRequestWithContext(ctx, p.method, "", bytes.NewReader(p.body))
+	body := p.body
+	if tgt.peer != "" && p.agentBody != nil {
+		body = p.agentBody // forward.go
+	}
+	up, err := http.NewRequestWithContext(ctx, p.method, "", bytes.NewReader(body))
 	if err != nil {
 		return nil, err
 	}
 	*up.URL = tgt.u
 	up.URL.RawQuery = p.query
 	up.Host = tgt.u.Host
-	up.ContentLength = int64(len(p.body))
+	up.ContentLength = int64(len(body))
 	copyRequestHeaders(up.Header, p.req.Header)
 	tgt.authorize(up.Header)
 	if tgt.peer != "" && p.rl.flow.id != "" { // the agent's gate reads it (agent/gate.go)

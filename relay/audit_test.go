@@ -23,6 +23,7 @@ import (
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/auditor"
 	"github.com/computeflux/computeflux/scheduler/audit"
 )
 
@@ -63,8 +64,9 @@ func auditRelay(t testing.TB, floor time.Duration, endpointsFile string) (*itRel
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Token: []byte(itToken), APIKeys: []string{itKey},
 		Logger: zerolog.New(io.Discard), AdminKey: auditAdminKey, AdminListen: "127.0.0.1:0",
 		EndpointsFile: endpointsFile,
+		// Every agent a voice: they all connect from 127.0.0.1.
 		Audit: relay.AuditConfig{Interval: 100 * time.Millisecond, FloorEvery: floor, Timeout: 10 * time.Second,
-			Policy: audit.Policy{BackoffMin: 500 * time.Millisecond}},
+			Independence: audit.ByAgent, Policy: audit.Policy{BackoffMin: 500 * time.Millisecond}},
 	})
 	admin := httptest.NewServer(rl.r.AdminHandler())
 	t.Cleanup(admin.Close)
@@ -95,9 +97,9 @@ func sendTraffic(t testing.TB, rl *itRelay, n int) map[string]int {
 	return served
 }
 
-func auditStatus(t testing.TB, admin *httptest.Server) relay.AuditStatus {
+func auditStatus(t testing.TB, admin *httptest.Server) auditor.Status {
 	t.Helper()
-	var st relay.AuditStatus
+	var st auditor.Status
 	adminGet(t, admin, "/admin/v1/audits", &st)
 	return st
 }
@@ -117,7 +119,7 @@ func adminGet(t testing.TB, admin *httptest.Server, path string, v any) {
 	}
 }
 
-func standing(st relay.AuditStatus, agent string) (audit.Standing, bool) {
+func standing(st auditor.Status, agent string) (audit.Standing, bool) {
 	for _, s := range st.Standings {
 		if s.Agent == agent && s.Model == "m1" {
 			return s, true
@@ -168,7 +170,7 @@ func TestAuditQuarantinesAnotherModel(t *testing.T) {
 		}
 	}
 	// The status page shows the quarantine with the convicting audit.
-	var page struct{ Quarantined []relay.QuarantineRow }
+	var page struct{ Quarantined []auditor.QuarantineRow }
 	adminGet(t, admin, "/status.json", &page)
 	if len(page.Quarantined) != 1 || page.Quarantined[0].Agent != "liar" || page.Quarantined[0].Audit != liar.Quarantine.Convicted.Audit ||
 		page.Quarantined[0].Reason == "" || page.Quarantined[0].Against == "" {
@@ -358,10 +360,11 @@ func topKeys(t *testing.T, b []byte) []string {
 // TestAuditLooksLikeTraffic compares, at the engines behind four real
 // agents, the requests of a client with the audits the relay sends: the
 // same headers (the request ID fresh, of the same form), the same body
-// fields in the same order, streamed like the client's with the same
-// stream options, a prompt of a similar size and none of the client's
-// words. What differs is listed in docs/audits.md: greedy decoding, a
-// capped max_tokens, fields of the client's own (user) left out.
+// fields in the same order with the same sampling parameters, stream
+// options, user (the pseudonym every request of the client's carries) and
+// a seed of the relay's as every request has one; tools of the same form
+// under other names; messages of the same roles and sizes, and none of
+// the client's words.
 func TestAuditLooksLikeTraffic(t *testing.T) {
 	rl, admin := auditRelay(t, 200*time.Millisecond, "")
 	recs := make([]*recorder, 4)
@@ -374,7 +377,9 @@ func TestAuditLooksLikeTraffic(t *testing.T) {
 	waitAgents(t, rl, "rec-0", "rec-1", "rec-2", "rec-3")
 	const clientWord = "zanzibar"
 	clientBody := `{"messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"` +
-		strings.Repeat(clientWord+" ", 40) + `"}],"model":"m1","stream":true,"stream_options":{"include_usage":true},"max_tokens":16,"temperature":0.7,"user":"u-42"}`
+		strings.Repeat(clientWord+" ", 40) + `"}],"model":"m1","stream":true,"stream_options":{"include_usage":true},"max_tokens":16,` +
+		`"temperature":0.7,"top_p":0.9,"stop":["END"],"user":"u-42","tool_choice":"auto",` +
+		`"tools":[{"type":"function","function":{"name":"zanzibar_lookup","description":"Look up zanzibar","parameters":{"type":"object","properties":{"place":{"type":"string"}},"required":["place"]}}}]}`
 	for range 3 {
 		req, _ := http.NewRequest(http.MethodPost, rl.url+"/v1/chat/completions", strings.NewReader(clientBody))
 		req.Header.Set("Authorization", "Bearer "+itKey)
@@ -401,10 +406,14 @@ func TestAuditLooksLikeTraffic(t *testing.T) {
 			}
 		}
 	}
-	if len(client) != 3 || len(audits) < 4 {
+	if len(client) != 3 || len(audits) < 2 {
 		t.Fatalf("%d client requests and %d audit requests at the engines", len(client), len(audits))
 	}
 	c := client[0]
+	var cb map[string]any
+	if err := json.Unmarshal(c.body, &cb); err != nil {
+		t.Fatal(err)
+	}
 	for _, a := range audits {
 		for name := range c.header {
 			if name == "Content-Length" {
@@ -425,49 +434,53 @@ func TestAuditLooksLikeTraffic(t *testing.T) {
 				t.Errorf("audit carries header %s the client's request did not", name)
 			}
 		}
-		ck, ak := topKeys(t, c.body), topKeys(t, a.body)
-		// The audit's fields are the client's, in the client's order, but
-		// for the client's own (user).
-		if want := slices.DeleteFunc(slices.Clone(ck), func(k string) bool { return k == "user" }); !slices.Equal(ak, want) {
-			t.Errorf("audit fields %v, client's %v", ak, ck)
+		if ck, ak := topKeys(t, c.body), topKeys(t, a.body); !slices.Equal(ak, ck) || ck[0] != "seed" {
+			t.Errorf("audit fields %v, client's %v (the relay's seed first)", ak, ck)
 		}
-		var raw struct{ Messages []json.RawMessage }
-		if err := json.Unmarshal(a.body, &raw); err != nil {
-			t.Fatal(err)
-		}
-		for _, m := range raw.Messages {
-			if k := topKeys(t, m); !slices.Equal(k, []string{"role", "content"}) {
-				t.Errorf("audit message fields %v, the client's role, content", k)
-			}
-		}
-		var ab struct {
-			Messages      []struct{ Role, Content string }
-			Stream        bool
-			StreamOptions struct {
-				IncludeUsage bool `json:"include_usage"`
-			} `json:"stream_options"`
-			MaxTokens   int      `json:"max_tokens"`
-			Temperature *float64 `json:"temperature"`
-		}
+		var ab map[string]any
 		if err := json.Unmarshal(a.body, &ab); err != nil {
 			t.Fatal(err)
 		}
-		size := 0
-		for _, m := range ab.Messages {
-			size += len(m.Content)
+		for _, k := range []string{"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "user", "tool_choice"} {
+			if x, y := mustJSON(t, ab[k]), mustJSON(t, cb[k]); x != y {
+				t.Errorf("%s: audit %s, client %s", k, x, y)
+			}
 		}
-		if len(ab.Messages) != 2 || ab.Messages[0].Role != "system" || ab.Messages[1].Role != "user" || !ab.Stream || !ab.StreamOptions.IncludeUsage ||
-			ab.MaxTokens != 16 || ab.Temperature == nil || *ab.Temperature != 0 || size < 200 || size > 600 {
+		if cb["user"] == "u-42" {
+			t.Errorf("the agent got the client's own user %q", cb["user"])
+		}
+		if ab["seed"] == cb["seed"] {
+			t.Errorf("the audit reused a client's seed %v", ab["seed"])
+		}
+		tool := ab["tools"].([]any)[0].(map[string]any)["function"].(map[string]any)
+		params := tool["parameters"].(map[string]any)
+		if tool["name"] == "zanzibar_lookup" || params["type"] != "object" || len(params["properties"].(map[string]any)) != 1 || len(params["required"].([]any)) != 1 {
+			t.Errorf("audit tool %v", tool)
+		}
+		msgs := ab["messages"].([]any)
+		size := 0
+		for _, m := range msgs {
+			size += len(m.(map[string]any)["content"].(string))
+		}
+		if len(msgs) != 2 || msgs[0].(map[string]any)["role"] != "system" || msgs[1].(map[string]any)["role"] != "user" || size < 200 || size > 600 {
 			t.Errorf("audit body %s", a.body)
 		}
 	}
 }
 
+func mustJSON(t *testing.T, v any) string {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
 // TestAuditCollusion: two of three agents serve another model together.
-// With three agents no consensus can convict anyone (MinConsensus others
-// must agree), so only an operator's reference catches them: with the
-// honest one marked in the endpoints file, both liars are quarantined and
-// the reference keeps all its traffic.
+// Two independent voices outvote one, so only an operator's reference
+// catches them: with the honest one marked in the endpoints file, both
+// liars are quarantined and the reference keeps all its traffic.
 func TestAuditCollusion(t *testing.T) {
 	ef := filepath.Join(t.TempDir(), "endpoints.yaml")
 	if err := os.WriteFile(ef, []byte("agents:\n  - name: honest\n    reference: true\n"), 0o600); err != nil {
@@ -495,4 +508,117 @@ func TestAuditCollusion(t *testing.T) {
 	if served := sendTraffic(t, rl, 20); served["honest"] != 20 {
 		t.Errorf("after the quarantines the reference served %v of 20", served)
 	}
+}
+
+// TestClientVerify: a client that asks (verify: 1 in the clients file)
+// has its own answers sent again, with the same seed, to the operator's
+// reference, and an agent whose answers differ from the reference's is
+// convicted by these re-checks alone (one conviction: its weight falls to
+// a third, and regular audits would finish it): the client's requests carry legacy
+// functions, which the auditor does not take as the form of its prompts,
+// so no regular audit runs. The client's prompt reaches the agent that
+// served it and the reference, and no other agent.
+func TestClientVerify(t *testing.T) {
+	dir := t.TempDir()
+	ef := filepath.Join(dir, "endpoints.yaml")
+	cf := filepath.Join(dir, "clients.yaml")
+	if err := os.WriteFile(ef, []byte("agents:\n  - name: ref\n    reference: true\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(cf, []byte("clients:\n  - name: careful\n    keys: ["+itKey+"]\n    verify: 1\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	clients, err := relay.LoadClientsFile(cf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rl := serveRelay(t, relay.Config{
+		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Token: []byte(itToken), Clients: clients,
+		Logger: zerolog.New(io.Discard), AdminKey: auditAdminKey, AdminListen: "127.0.0.1:0", EndpointsFile: ef,
+		Audit: relay.AuditConfig{Interval: 50 * time.Millisecond, Timeout: 10 * time.Second, Independence: audit.ByAgent},
+	})
+	admin := httptest.NewServer(rl.r.AdminHandler())
+	t.Cleanup(admin.Close)
+	other := &wordCounter{word: "kilimanjaro"}
+	otherSrv := httptest.NewServer(other.wrap(t, simEngine(t, 1)))
+	t.Cleanup(otherSrv.Close)
+	startAgentFor(t, rl, "ref", simEngine(t, 1))
+	startAgentFor(t, rl, "liar", simEngine(t, 2))
+	startAgentFor(t, rl, "other", otherSrv.URL)
+	waitAgents(t, rl, "ref", "liar", "other")
+	servedOther := 0
+	servedBy := map[string]int{}
+	done := func() bool {
+		st := auditStatus(t, admin)
+		l, _ := standing(st, "liar")
+		o, _ := standing(st, "other")
+		return l.Audits > l.Agreements && o.Agreements > 0
+	}
+	for i := 0; i < 300 && !done(); i++ {
+		body := fmt.Sprintf(`{"model":"m1","messages":[{"role":"user","content":"kilimanjaro question %d"}],"max_tokens":8,"temperature":0.7,"functions":[{"name":"f"}]}`, i)
+		req, _ := http.NewRequest(http.MethodPost, rl.url+"/v1/chat/completions", strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer "+itKey)
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		servedBy[resp.Header.Get(relay.HeaderAgent)]++
+		if resp.Header.Get(relay.HeaderAgent) == "other" {
+			servedOther++
+		}
+		time.Sleep(60 * time.Millisecond) // one re-check per audit interval
+	}
+	st := auditStatus(t, admin)
+	t.Logf("served %v", servedBy)
+	liar, _ := standing(st, "liar")
+	var convicting *auditor.Record
+	for i, r := range st.Recent {
+		if r.ID == liar.LastDisagreement.Audit {
+			convicting = &st.Recent[i]
+		}
+	}
+	if convicting == nil || convicting.Why != "client" || liar.LastDisagreement.Against != "ref" || liar.Agreements != 0 {
+		t.Fatalf("liar %+v, convicted by %+v", liar, convicting)
+	}
+	if h, _ := standing(st, "other"); h.Audits != h.Agreements || h.Audits == 0 {
+		t.Errorf("honest agent: %+v", h)
+	}
+	if got := other.count(); got != servedOther {
+		t.Errorf("the client's prompt reached the other agent %d times, but it served %d of its requests", got, servedOther)
+	}
+}
+
+// wordCounter counts the chat requests that carry word on their way to
+// an engine.
+type wordCounter struct {
+	word string
+	mu   sync.Mutex
+	n    int
+}
+
+func (w *wordCounter) wrap(t testing.TB, upstream string) http.Handler {
+	u, err := url.Parse(upstream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := httputil.NewSingleHostReverseProxy(u)
+	return http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		if bytes.Contains(body, []byte(w.word)) {
+			w.mu.Lock()
+			w.n++
+			w.mu.Unlock()
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		proxy.ServeHTTP(rw, r)
+	})
+}
+
+func (w *wordCounter) count() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.n
 }

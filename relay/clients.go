@@ -34,6 +34,11 @@ type Client struct {
 	Class scheduler.Band
 	// Budget bounds the client's use; the zero value is unlimited.
 	Budget Budget
+	// Verify is the share of the client's chat answers sent again, with
+	// the same seed, to the operator's references for the model, and the
+	// agent's answer compared with theirs (audits.go); 0 means none. The
+	// prompt goes to the operator's references only.
+	Verify float64
 }
 
 // Budget bounds what a client may use. Zero fields are unlimited.
@@ -81,6 +86,7 @@ type clientSpecYAML struct {
 	Weight    *float64    `yaml:"weight"`
 	Class     string      `yaml:"class"`
 	Budget    *budgetYAML `yaml:"budget"`
+	Verify    float64     `yaml:"verify"`
 }
 
 type budgetYAML struct {
@@ -228,6 +234,10 @@ func (cs clientSpecYAML) client(at func(string) string) (Client, error) {
 		}
 		c.Budget = Budget(*b)
 	}
+	if v := cs.Verify; !(v >= 0 && v <= 1) {
+		return c, fmt.Errorf("%s: must be a share from 0 to 1, got %v", at("verify"), v)
+	}
+	c.Verify = cs.Verify
 	return c, nil
 }
 

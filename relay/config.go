@@ -190,8 +190,8 @@ type Config struct {
 	// reads; the caller opens and closes it. Nil means no ledger: the
 	// route answers 404.
 	Ledger *ledger.Ledger
-	// Audit configures the audits of agents (audit.go); the zero value
-	// audits at the defaults.
+	// Audit configures the audits of agents (audits.go, package
+	// auditor); the zero value audits at the defaults.
 	Audit AuditConfig
 	// Clock measures latencies. Nil means the real clock.
 	Clock scheduler.Clock
@@ -208,6 +208,9 @@ type Config struct {
 	// probes, liveness.go) off, so that a test sees gossip's own failure
 	// detection. Set by tests only (export_test.go).
 	noLiveness bool
+	// auditAddr, when set, stands in for an agent's address in the audits'
+	// independence groups (audits.go). Tests only.
+	auditAddr func(agent string) netip.Addr
 	// peerSyncWait replaces peerSyncWait (peers.go) when set. Tests only.
 	peerSyncWait time.Duration
 }
@@ -258,11 +261,7 @@ func validate(cfg Config) error {
 			errs = append(errs, fmt.Errorf("API key %d is empty or contains whitespace", i+1))
 		}
 	}
-	if a := cfg.Audit; a.Share > 1 || math.IsNaN(a.Share) || a.FloorEvery < 0 || a.References < 0 || a.MinConsensus < 0 || a.MaxTokens < 0 {
-		errs = append(errs, fmt.Errorf("audits: share %v must be at most 1 (negative: floor only), floor %v, references %d, consensus %d and max tokens %d not negative",
-			a.Share, a.FloorEvery, a.References, a.MinConsensus, a.MaxTokens))
-	}
-	if err := cfg.Audit.Policy.Validate(); err != nil {
+	if err := cfg.Audit.Validate(); err != nil {
 		errs = append(errs, err)
 	}
 	if cfg.NoP2P {

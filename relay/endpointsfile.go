@@ -60,8 +60,14 @@ type ProviderSpec struct {
 	// cost and cache savings; nil means unpriced (no cost recorded).
 	Prices *ledger.Prices
 	// Reference marks it as the operator's reference for audits of its
-	// models: agents are judged against it, over any consensus.
+	// models: agents are judged against it, over any consensus. Without
+	// it, the endpoint is one voice among the agents' where they are few.
 	Reference bool
+	// Engine is the kind of engine behind it, as agents report theirs
+	// ("vllm", "llamacpp", ...): audits compare sampled answers only
+	// between engines of one kind. Empty means not known: its sampled
+	// answers are compared only with others of unknown kind.
+	Engine string
 }
 
 // Prices returns the prices of the priced provider endpoints, by name:
@@ -127,6 +133,7 @@ type endpointSpec struct {
 	Disabled       bool        `yaml:"disabled"`
 	Prices         *pricesSpec `yaml:"prices"`
 	Reference      bool        `yaml:"reference"`
+	Engine         string      `yaml:"engine"`
 }
 
 // pricesSpec is an endpoint's prices per million tokens; cached_input
@@ -203,7 +210,7 @@ func ParseEndpointsFile(b []byte, readFile func(string) ([]byte, error)) (*Endpo
 		at := func(field string) string {
 			return fmt.Sprintf("line %d: endpoints[%d] (%q): %s", lines.of("endpoints", i, field), i, es.Name, field)
 		}
-		p := ProviderSpec{Name: es.Name, Models: es.Models, Weight: es.Weight, MaxConcurrency: es.MaxConcurrency, Disabled: es.Disabled, Reference: es.Reference}
+		p := ProviderSpec{Name: es.Name, Models: es.Models, Weight: es.Weight, MaxConcurrency: es.MaxConcurrency, Disabled: es.Disabled, Reference: es.Reference, Engine: es.Engine}
 		if !validName.MatchString(es.Name) {
 			return nil, fmt.Errorf("%s: want 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit", at("name"))
 		}

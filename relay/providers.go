@@ -134,9 +134,7 @@ func (r *Relay) ReloadEndpoints(ctx context.Context) error {
 		r.log.Error().Err(err).Msg("endpoints file not applied; the routing table in force stays")
 		return err
 	}
-	if r.audits != nil {
-		r.audits.setReferences(ef.References())
-	}
+	r.auditRefs.set(ef.References())
 	return nil
 }
 

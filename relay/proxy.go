@@ -29,9 +29,11 @@ package relay
 
 import (
 	"errors"
+	"math/rand/v2"
 	"net/http"
 	"time"
 
+	"github.com/computeflux/computeflux/relay/auditor"
 	"github.com/computeflux/computeflux/scheduler"
 )
 
@@ -55,18 +57,21 @@ var _ route = (*scheduler.Attempt)(nil)
 // metrics report. It lives on serveProxied's stack: nothing that escapes
 // may keep a reference to it (see exchange).
 type proxied struct {
-	w       http.ResponseWriter // the client's writer (wrapped for the Responses API)
-	req     *http.Request
-	rl      reqLog
-	method  string // the upstream request's method
-	path    string // the upstream request's path
-	query   string // the upstream request's query (stored responses only)
-	body    []byte
-	session string // the session key; empty for none
-	route   route
-	blocks  *[]uint64  // the prompt's block chain (pooled); nil when not hashed
-	tap     *answerTap // what the auditor reads of the answer (audittap.go); nil when not audited
-	stream  bool       // the client asked for a stream
+	w      http.ResponseWriter // the client's writer (wrapped for the Responses API)
+	req    *http.Request
+	rl     reqLog
+	method string // the upstream request's method
+	path   string // the upstream request's path
+	query  string // the upstream request's query (stored responses only)
+	body   []byte
+	// agentBody is the body agents get (forward.go); nil means body.
+	agentBody []byte
+	session   string // the session key; empty for none
+	route     route
+	blocks    *[]uint64    // the prompt's block chain (pooled); nil when not hashed
+	tap       *auditor.Tap // what the auditor reads of the answer; nil when not audited
+	verify    bool         // the answer is re-checked (the client's choice)
+	stream    bool         // the client asked for a stream
 	// queued is set while an attempt holds a slot in the fair queue's
 	// accounting (pick took it; finish gives it back).
 	queued bool
@@ -79,7 +84,7 @@ func (p *proxied) release() {
 		p.blocks = nil
 	}
 	if p.tap != nil {
-		p.tap.release()
+		p.tap.Release()
 		p.tap = nil
 	}
 }
@@ -194,10 +199,18 @@ func (r *Relay) prepareInference(p *proxied) error {
 	if p.w, err = r.routeAPI(p.w, p.req, rt, &sr); err != nil { // responses.go
 		return err
 	}
-	if r.audits != nil && p.path == "/v1/chat/completions" && r.audits.tapDue(rt.model) {
-		// finish hands the answer to the auditor (audit.go).
-		p.tap = newAnswerTap(p.w)
-		p.w, p.stream = p.tap, rt.stream
+	if r.audits != nil && (p.path == pathChat || p.path == pathCompletions) {
+		// Agents get the relay's seed and pseudonyms (forward.go).
+		p.agentBody = forwardBody(body, relaySeed(), r.pseudo.of)
+	}
+	if r.audits != nil && p.path == pathChat {
+		c := p.rl.client
+		p.verify = c != nil && c.Verify > 0 && rand.Float64() < c.Verify
+		if r.audits.TapDue(rt.model, p.verify) {
+			// finish hands the answer to the auditor (audits.go).
+			p.tap = auditor.NewTap(p.w)
+			p.w, p.stream = p.tap, rt.stream
+		}
 	}
 	p.route = r.sched.Begin(sr)
 	return nil
@@ -322,15 +335,17 @@ func (r *Relay) finish(p *proxied, c scheduler.Choice, n int, res *attemptResult
 		p.queued = false
 		r.queue.finished(p.rl.flow) // a slot freed
 	}
-	if res.committed && r.audits != nil && p.path == "/v1/chat/completions" && r.providers.get(c.EndpointID) == nil {
-		r.audits.served(p.rl.tokens(len(p.body))) // the audit budget's base
+	provider := r.providers.get(c.EndpointID) != nil
+	if res.committed && r.audits != nil && p.path == pathChat && !provider {
+		r.audits.Served(p.rl.tokens(len(p.body))) // the audit budget's base
 	}
 	if res.committed && p.tap != nil {
-		client := ""
+		x := auditor.Exchange{Model: p.rl.model, Agent: c.EndpointID, Provider: provider, Body: p.body, Forwarded: p.agentBody,
+			Header: p.req.Header, Stream: p.stream, Tap: p.tap, Verify: p.verify}
 		if p.rl.client != nil {
-			client = p.rl.client.Name
+			x.Client = p.rl.client.Name
 		}
-		r.audits.answered(p.rl.model, client, p.body, p.req.Header, p.stream, p.tap, c.EndpointID)
+		r.audits.Answered(&x)
 	}
 	if res.committed || p.req.Context().Err() != nil {
 		return

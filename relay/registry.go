@@ -91,6 +91,7 @@ type entry struct {
 type AgentInfo struct {
 	Name     string
 	Peer     peer.ID
+	Engine   string // the engine's kind, as the agent reports it
 	Models   []string
 	Weight   float64
 	Capacity int
@@ -383,7 +384,7 @@ func (g *Registry) Agents() []AgentInfo {
 	out := make([]AgentInfo, 0, len(g.byName))
 	for _, e := range g.byName {
 		out = append(out, AgentInfo{
-			Name: e.name, Peer: e.peer, Models: slices.Clone(e.info.Models), Weight: e.info.Weight,
+			Name: e.name, Peer: e.peer, Engine: e.info.Engine, Models: slices.Clone(e.info.Models), Weight: e.info.Weight,
 			Capacity: e.info.Capacity, Draining: e.info.Draining, Health: g.health(e), Dead: e.dead,
 		})
 	}

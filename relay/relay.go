@@ -19,6 +19,7 @@ import (
 	"github.com/multiformats/go-multiaddr"
 	"github.com/rs/zerolog"
 
+	"github.com/computeflux/computeflux/relay/auditor"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -69,9 +70,10 @@ type Relay struct {
 
 	watchdogs watchdogPool // attempts' timers, reused (watchdog.go)
 
-	// audits checks what agents run (audit.go); nil when disabled.
-	audits        *auditor
-	auditsStarted bool
+	// audits checks what agents run (audits.go); nil when disabled.
+	audits    *auditor.Auditor
+	auditRefs auditRefs  // the operator's references
+	pseudo    pseudonyms // what agents get for identity fields (forward.go)
 }
 
 // New builds a relay from cfg: the scheduler, the registry of agents and,
@@ -112,8 +114,13 @@ func New(cfg Config) (*Relay, error) {
 			return nil, fmt.Errorf("relay: %w", err)
 		}
 	}
+	var secret []byte
+	if cfg.IdentityFile != "" {
+		secret, _ = os.ReadFile(cfg.IdentityFile)
+	}
+	r.pseudo = newPseudonyms(pseudonymSecret(secret))
 	if !cfg.Audit.Disabled {
-		r.audits = newAuditor(r)
+		r.audits = newAuditor(r) // after pseudo: it takes r.pseudo.of
 	}
 
 	if !cfg.NoP2P {
@@ -214,8 +221,7 @@ func New(cfg Config) (*Relay, error) {
 		r.log.Info().Stringer("peer", r.host.ID()).Strs("addrs", r.addrStrings()).Msg("relay p2p listening")
 		if r.audits != nil {
 			// Only agents are audited, and only a relay with a host has them.
-			r.audits.start()
-			r.auditsStarted = true
+			r.audits.Start()
 		}
 	}
 	if cfg.NoAuth {
@@ -340,7 +346,7 @@ func (r *Relay) Close() error {
 	r.closeOnce.Do(func() {
 		var errs []error
 		if r.audits != nil {
-			r.audits.stop(r.auditsStarted)
+			r.audits.Close()
 		}
 		if r.bgCancel != nil {
 			r.bgCancel()

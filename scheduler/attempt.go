@@ -24,6 +24,9 @@ type Request struct {
 	// without a live session mapping goes where its prefix is cached,
 	// weighed against load. The scheduler does not keep the slice.
 	Prefix []uint64
+	// Audit marks an audit of the endpoints' standing: a reputation
+	// factor of 0 (quarantine) does not exclude an endpoint from it.
+	Audit bool
 	// Wait says the caller queues the request when the endpoints that
 	// could take it are full (see Queue): a tier whose endpoints lack only
 	// room is not passed over for the next tier, and Pick returns an
@@ -218,7 +221,7 @@ func (a *Attempt) exclusion(e *endpoint, checkModel bool) Exclusion {
 		return ExclusionModel
 	case a.req.Allow != nil && !a.req.Allow(e.id):
 		return ExclusionAllow
-	case e.repute != nil && e.factor(a.req.Model) == 0:
+	case e.repute != nil && !a.req.Audit && e.factor(a.req.Model) == 0:
 		return ExclusionQuarantined
 	}
 	return ExclusionNone

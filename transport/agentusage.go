@@ -128,7 +128,7 @@ func ServeAgentUsage(js *JoinServer, answer AgentUsageAnswer) error {
 		defer s.Close()
 		_ = s.SetDeadline(time.Now().Add(2 * handshakeTimeout))
 		asker := s.Conn().RemotePeer()
-		ip := remoteIP(s.Conn().RemoteMultiaddr())
+		ip := RemoteIP(s.Conn().RemoteMultiaddr())
 		if ok, wait := lim.allow(asker, ip, time.Now()); !ok {
 			_ = hs.Reject(s, backoffReason(wait))
 			return

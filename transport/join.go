@@ -33,6 +33,7 @@ const (
 	maxNameLen   = 128
 	maxModels    = 1024
 	maxAPIs      = 32
+	maxEngineLen = 64
 	maxModelLen  = 256
 	maxReasonLen = 512
 	maxRelays    = 16
@@ -82,6 +83,10 @@ type JoinInfo struct {
 	// that the agent's engine serves (e.g. /v1/responses, /v1/messages);
 	// the relay routes those paths only to agents that list them.
 	APIs []string `json:"apis,omitempty"`
+	// Engine is the kind of engine the agent recognised ("vllm",
+	// "llamacpp", ...; empty when not recognised). Audits compare sampled
+	// answers only between engines of one kind.
+	Engine string `json:"engine,omitempty"`
 	// Relays are the multiaddrs (with /p2p/<ID>) of every relay the agent
 	// joins, this one included: relays learn their peers from them.
 	Relays []string `json:"relays,omitempty"`
@@ -195,7 +200,7 @@ func (js *JoinServer) handle(s network.Stream) {
 	}()
 
 	p := s.Conn().RemotePeer()
-	ip := remoteIP(s.Conn().RemoteMultiaddr())
+	ip := RemoteIP(s.Conn().RemoteMultiaddr())
 	if ok, wait := js.lim.allow(p, ip, time.Now()); !ok {
 		js.refused.Add(1)
 		_ = s.SetDeadline(time.Now().Add(handshakeTimeout))
@@ -513,6 +518,9 @@ func validateInfo(info JoinInfo) error {
 		if len(a) < 2 || len(a) > maxModelLen || a[0] != '/' || !utf8.ValidString(a) {
 			return fmt.Errorf("join info: API paths must be 2..%d bytes starting with '/'", maxModelLen)
 		}
+	}
+	if len(info.Engine) > maxEngineLen || !utf8.ValidString(info.Engine) {
+		return fmt.Errorf("join info: engine must be at most %d bytes of UTF-8", maxEngineLen)
 	}
 	if math.IsNaN(info.Weight) || info.Weight < 0 || info.Weight > maxWeight {
 		return fmt.Errorf("join info: weight %v outside 0..%g", info.Weight, float64(maxWeight))

@@ -55,7 +55,9 @@ func newJoinLimiter() *joinLimiter {
 
 // remoteIP returns the IP address of a multiaddr; the zero (invalid) Addr
 // when it has none, which the limiter then tracks by peer only.
-func remoteIP(a ma.Multiaddr) netip.Addr {
+// RemoteIP returns the IP address of a connection's remote multiaddr, or
+// the zero Addr when it has none (a circuit's).
+func RemoteIP(a ma.Multiaddr) netip.Addr {
 	if a == nil {
 		return netip.Addr{}
 	}

@@ -13,16 +13,17 @@ import (
 
 // runBenchAudit runs the audit scenario: this binary as a relay, sim
 // engines and agents (and llama.cpp engines when installed), some agents
-// serving another model under the claimed name; it prints who served what
-// and when the liars left routing, for each part:
+// serving another model under the claimed name, for everything or behind
+// a front that tries to tell audits apart, under the traffic of chat
+// front ends (sampled, a user field, no session key); it prints who
+// served what and when the cheaters left routing, for each part:
 //
-//	catch      3 honest sim agents and 1 liar; 2 llama.cpp agents (one the
-//	           operator's reference) and 1 serving another GGUF
-//	honest     4 honest sim agents, and 2 honest llama.cpp agents beside
-//	           the operator's llama.cpp reference (two agents alone are
-//	           too few for a consensus), audits off, then on: every
-//	           agent's share side by side
-//	collusion  1 honest agent and 2 liars: consensus alone, then with an
+//	catch      3 honest sim agents and 1 liar; of llama.cpp: 3 honest
+//	           agents and 1 front; 2 honest and 1 liar; 1 honest, 1 liar
+//	           and a provider endpoint serving the model
+//	honest     4 honest sim agents and 3 honest llama.cpp agents, audits
+//	           off, then on: every agent's share side by side
+//	collusion  1 honest agent and 2 liars: voices alone, then with an
 //	           operator's reference
 func runBenchAudit(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var parts string
@@ -30,7 +31,7 @@ func runBenchAudit(ctx context.Context, args []string, stdout, stderr io.Writer)
 	cfg := chaos.AuditConfig{}
 	fs := newLiveFlags("audit", stderr)
 	fs.StringVar(&parts, "parts", "catch,honest,collusion", "comma-separated `parts`: catch, honest, collusion")
-	fs.DurationVar(&cfg.Duration, "duration", 10*time.Minute, "load of the honest part (catch: a fifth of it, at least 2m; collusion: a tenth, at least 1m)")
+	fs.DurationVar(&cfg.Duration, "duration", 10*time.Minute, "load of the honest part (catch: a fourth of it, at least 150s; collusion: a tenth, at least 1m)")
 	fs.IntVar(&cfg.Workers, "clients", 4, "concurrent clients")
 	fs.BoolVar(&noLlama, "no-llama", false, "leave out the llama.cpp engines")
 	var err error
@@ -48,17 +49,18 @@ func runBenchAudit(ctx context.Context, args []string, stdout, stderr io.Writer)
 		switch part {
 		case "catch":
 			c := cfg
-			c.Duration = max(full/5, 2*time.Minute)
+			c.Duration = max(full/4, 150*time.Second)
 			c.Groups = []chaos.AuditGroup{{Honest: 3, Liars: 1}}
 			if llama {
-				c.Groups = append(c.Groups, chaos.AuditGroup{Reference: true, Honest: 1, Liars: 1, Llama: true})
+				c.Groups = append(c.Groups, chaos.AuditGroup{Honest: 3, Fronts: 1, Llama: true},
+					chaos.AuditGroup{Honest: 2, Liars: 1, Llama: true}, chaos.AuditGroup{Honest: 1, Liars: 1, Provider: true, Llama: true})
 			}
 			runs = append(runs, c)
 		case "honest":
 			c := cfg
 			c.Groups = []chaos.AuditGroup{{Honest: 4}}
 			if llama {
-				c.Groups = append(c.Groups, chaos.AuditGroup{Reference: true, Honest: 2, Llama: true})
+				c.Groups = append(c.Groups, chaos.AuditGroup{Honest: 3, Llama: true})
 			}
 			off := c
 			off.RelayArgs = []string{"--no-audits"}

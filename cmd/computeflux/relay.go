@@ -16,6 +16,7 @@ import (
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/ledger"
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/scheduler/audit"
 )
 
 // runRelay serves the OpenAI API and the agents' join service until ctx ends.
@@ -146,6 +147,11 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.BoolVar(&cfg.Audit.Disabled, "no-audits", false, "do not audit what agents run (audits compare agents' answers to the same prompt; see docs/audits.md)")
 	fs.Float64Var(&cfg.Audit.Share, "audit-share", 0, "audit tokens as a `share` of the tokens served to clients (0: 0.02; negative: only new agents, the floor and quarantine re-audits)")
 	fs.DurationVar(&cfg.Audit.FloorEvery, "audit-floor", 0, "audit every agent and model at least this `often`, budget or not (0: 10m)")
+	fs.Func("audit-independence", "which agents count as one voice in audits: `network` (the default: an IPv4 /24 or IPv6 /48), address, or agent (every agent its own; for agents the operator knows)", func(v string) error {
+		in, err := audit.ParseIndependence(v)
+		cfg.Audit.Independence = in
+		return err
+	})
 	fs.Var(&gossip.relays, "gossip-relay", "another relay's `multiaddr` (ending in /p2p/<peer ID>) to share membership gossip with; repeatable or comma-separated")
 	logs.register(fs)
 	if err := fs.Parse(args); err != nil {

@@ -1,4 +1,4 @@
-package relay
+package auditor
 
 import (
 	"bytes"
@@ -8,12 +8,13 @@ import (
 	"github.com/computeflux/computeflux/scheduler/audit"
 )
 
-// answerTap sits between an attempt and the client's ResponseWriter on
-// chat completions while audits run: it counts the answer's bytes and
-// keeps what the cheap checks read (a non-streamed answer whole, up to
-// maxTapHead; a stream's last maxTapTail bytes, where its usage chunk is).
-// Bytes pass through unchanged.
-type answerTap struct {
+// Tap sits between an attempt and the client's ResponseWriter on chat
+// completions while audits run: it counts the answer's bytes and keeps
+// what the cheap checks and re-checks read (the first maxTapHead bytes: a
+// small answer whole, streamed or not; a stream's last maxTapTail bytes,
+// where its usage chunk is). Bytes pass through unchanged. Get one with
+// NewTap, give it back with Release.
+type Tap struct {
 	http.ResponseWriter
 	status int
 	bytes  int
@@ -33,33 +34,34 @@ const (
 var dataPrefix = []byte("data: ")
 
 var tapPool = sync.Pool{New: func() any {
-	return &answerTap{head: make([]byte, 0, 4<<10), tail: make([]byte, 0, maxTapTail)}
+	return &Tap{head: make([]byte, 0, 4<<10), tail: make([]byte, 0, maxTapTail)}
 }}
 
-func newAnswerTap(w http.ResponseWriter) *answerTap {
-	t := tapPool.Get().(*answerTap)
+// NewTap returns a tap in front of w, from a pool.
+func NewTap(w http.ResponseWriter) *Tap {
+	t := tapPool.Get().(*Tap)
 	t.ResponseWriter = w
 	return t
 }
 
-// release returns the tap to the pool; it must not be used after.
-func (t *answerTap) release() {
-	*t = answerTap{head: t.head[:0], tail: t.tail[:0], carry: t.carry[:0]}
+// Release returns the tap to the pool; it must not be used after.
+func (t *Tap) Release() {
+	*t = Tap{head: t.head[:0], tail: t.tail[:0], carry: t.carry[:0]}
 	tapPool.Put(t)
 }
 
 // Unwrap lets http.ResponseController reach the real writer (Flush,
 // deadlines).
-func (t *answerTap) Unwrap() http.ResponseWriter { return t.ResponseWriter }
+func (t *Tap) Unwrap() http.ResponseWriter { return t.ResponseWriter }
 
-func (t *answerTap) WriteHeader(status int) {
+func (t *Tap) WriteHeader(status int) {
 	if t.status == 0 {
 		t.status = status
 	}
 	t.ResponseWriter.WriteHeader(status)
 }
 
-func (t *answerTap) Write(b []byte) (int, error) {
+func (t *Tap) Write(b []byte) (int, error) {
 	if t.status == 0 {
 		t.status = http.StatusOK
 	}
@@ -68,7 +70,7 @@ func (t *answerTap) Write(b []byte) (int, error) {
 	return n, err
 }
 
-func (t *answerTap) keep(b []byte) {
+func (t *Tap) keep(b []byte) {
 	t.bytes += len(b)
 	t.countEvents(b)
 	if room := maxTapHead - len(t.head); room > 0 {
@@ -95,7 +97,7 @@ func (t *answerTap) keep(b []byte) {
 
 // countEvents counts dataPrefix in b, and across the boundary with the
 // bytes written before.
-func (t *answerTap) countEvents(b []byte) {
+func (t *Tap) countEvents(b []byte) {
 	k := len(dataPrefix) - 1
 	joined := len(t.carry) > 0
 	if joined {
@@ -117,7 +119,7 @@ func (t *answerTap) countEvents(b []byte) {
 }
 
 // lastBytes returns the tail in order.
-func (t *answerTap) lastBytes() []byte {
+func (t *Tap) lastBytes() []byte {
 	if !t.full {
 		return t.tail
 	}
@@ -128,7 +130,7 @@ func (t *answerTap) lastBytes() []byte {
 // bytes of generated text (for a stream: every byte streamed, an upper
 // bound). events is a stream's event count (0 for a whole answer). ok is
 // false when the answer was not a successful completion.
-func (t *answerTap) observed(o *audit.Observed, stream bool) (events int, ok bool) {
+func (t *Tap) observed(o *audit.Observed, stream bool) (events int, ok bool) {
 	if t.status != http.StatusOK {
 		return 0, false
 	}
@@ -153,4 +155,33 @@ func (t *answerTap) observed(o *audit.Observed, stream bool) (events int, ok boo
 	}
 	o.Answered, o.Usage, o.CompletionText = c.Model, c.Usage, t.bytes
 	return t.events, true
+}
+
+// completion returns the whole answer, when it was kept whole (its first
+// maxTapHead bytes were all of it) and was a successful completion.
+func (t *Tap) completion(stream bool) (audit.Completion, bool) {
+	if t.status != http.StatusOK || t.bytes > len(t.head) {
+		return audit.Completion{}, false
+	}
+	if !stream {
+		c, err := audit.ParseCompletion(t.head)
+		return c, err == nil
+	}
+	var c audit.Completion
+	done := false
+	for line := range bytes.SplitSeq(t.head, []byte("\n")) {
+		data, ok := bytes.CutPrefix(line, []byte("data:"))
+		if !ok {
+			continue
+		}
+		data = bytes.TrimSpace(data)
+		if string(data) == "[DONE]" {
+			done = true
+			continue
+		}
+		if c.StreamChunk(data) != nil {
+			return audit.Completion{}, false
+		}
+	}
+	return c, done
 }

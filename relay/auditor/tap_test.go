@@ -1,4 +1,4 @@
-package relay
+package auditor
 
 import (
 	"bytes"
@@ -31,7 +31,7 @@ func TestAnswerTap(t *testing.T) {
 			{plain, false, audit.Usage{Prompt: 9, Completion: 2}, len("hello there")},
 		} {
 			rec := httptest.NewRecorder()
-			tap := newAnswerTap(rec)
+			tap := NewTap(rec)
 			for b := []byte(tc.body); len(b) > 0; {
 				k := min(piece, len(b))
 				if _, err := tap.Write(b[:k]); err != nil {
@@ -50,12 +50,12 @@ func TestAnswerTap(t *testing.T) {
 			if !ok || o.Usage == nil || *o.Usage != tc.want || o.Answered != "m1" || o.CompletionText != tc.text {
 				t.Errorf("piece %d stream %v: %+v usage %+v", piece, tc.stream, o, o.Usage)
 			}
-			tap.release()
+			tap.Release()
 		}
 	}
 	// An error status is no answer to check.
 	rec := httptest.NewRecorder()
-	tap := newAnswerTap(rec)
+	tap := NewTap(rec)
 	tap.WriteHeader(502)
 	_, _ = tap.Write([]byte(plain))
 	if _, ok := tap.observed(&audit.Observed{}, false); ok {

@@ -36,6 +36,11 @@ type Policy struct {
 	// MaxEntries bounds the book: past it, the entries of clean agents
 	// least recently audited are dropped (never a quarantined one).
 	MaxEntries int
+	// TenureFull is how long an agent must have been known for its vote
+	// to weigh fully; a new one weighs TenureFloor, growing linearly.
+	TenureFull time.Duration
+	// TenureFloor is a new agent's vote's weight, in (0, 1].
+	TenureFloor float64
 }
 
 // Defaults for the zero values of Policy.
@@ -59,6 +64,11 @@ const (
 	DefaultFloorEvery = 10 * time.Minute
 	// DefaultMaxEntries is 65536 agent-model pairs.
 	DefaultMaxEntries = 1 << 16
+	// DefaultTenureFull is a day: agents joined for a burst of voting
+	// count a quarter as much as those serving since yesterday.
+	DefaultTenureFull = 24 * time.Hour
+	// DefaultTenureFloor is 0.25.
+	DefaultTenureFloor = 0.25
 )
 
 // releaseScore is where a released agent starts again: between the bar and
@@ -89,6 +99,12 @@ func (p Policy) populate() Policy {
 	}
 	if p.MaxEntries <= 0 {
 		p.MaxEntries = DefaultMaxEntries
+	}
+	if p.TenureFull <= 0 {
+		p.TenureFull = DefaultTenureFull
+	}
+	if !(p.TenureFloor > 0) || p.TenureFloor > 1 {
+		p.TenureFloor = DefaultTenureFloor
 	}
 	return p
 }
@@ -335,6 +351,19 @@ func (b *Book) Weight(k Key) float64 {
 		return s.Weight
 	}
 	return 1
+}
+
+// Voice returns the weight of k's vote in an audit (Participant.Weight):
+// its tenure, from TenureFloor for an agent first known at since (zero:
+// when the book first saw the pair) to 1 after TenureFull, times its
+// score, so that an agent convicted lately counts for less.
+func (b *Book) Voice(now time.Time, k Key, since time.Time) float64 {
+	s := b.entry(now, k)
+	if since.IsZero() || s.Since.Before(since) {
+		since = s.Since
+	}
+	t := b.p.TenureFloor + (1-b.p.TenureFloor)*float64(now.Sub(since))/float64(b.p.TenureFull)
+	return max(min(t, 1)*s.Score, 1e-3)
 }
 
 // Quarantined reports whether k is in quarantine.

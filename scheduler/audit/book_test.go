@@ -336,3 +336,33 @@ func TestBookProperty(t *testing.T) {
 		}
 	}
 }
+
+func TestBookVoice(t *testing.T) {
+	b := NewBook(Policy{})
+	t0 := time.Unix(1_000_000, 0)
+	k := Key{Agent: "a", Model: "m"}
+	for _, tc := range []struct {
+		at, since time.Duration // since t0; since < 0: none given
+		want      float64
+	}{
+		{0, -1, 0.25},
+		{6 * time.Hour, -1, 0.25 + 0.75/4},
+		{48 * time.Hour, -1, 1},
+		{time.Hour, -24 * time.Hour, 1}, // the ledger knew it a day earlier
+	} {
+		var since time.Time
+		if tc.since >= 0 || tc.since < -time.Second {
+			since = t0.Add(tc.since)
+		}
+		if tc.since == -1 {
+			since = time.Time{}
+		}
+		if got := b.Voice(t0.Add(tc.at), k, since); math.Abs(got-tc.want) > 1e-9 {
+			t.Errorf("at %v, since %v: voice %.4f, want %.4f", tc.at, tc.since, got, tc.want)
+		}
+	}
+	b.Record(t0.Add(49*time.Hour), "a1", k, Verdict{Outcome: Disagree})
+	if got := b.Voice(t0.Add(49*time.Hour), k, time.Time{}); got != 0.5 {
+		t.Errorf("after a conviction: voice %.2f, want 0.5 (score halved)", got)
+	}
+}

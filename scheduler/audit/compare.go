@@ -3,6 +3,7 @@ package audit
 import (
 	"fmt"
 	"math"
+	"time"
 	"unicode/utf8"
 )
 
@@ -105,7 +106,7 @@ func (t Tolerance) populate() Tolerance {
 }
 
 // positiveOr returns v, or def when v is not positive.
-func positiveOr[T int | float64](v, def T) T {
+func positiveOr[T int | float64 | time.Duration](v, def T) T {
 	if v <= 0 {
 		return def
 	}

@@ -1,6 +1,8 @@
 package audit
 
 import (
+	"net/netip"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -14,14 +16,22 @@ var (
 
 // round builds participants from "name=answer" specs: answer is h
 // (honest), l (liar), o (other), e (empty); a name starting with '*' is
-// trusted, with '!' suspect.
+// trusted, with '!' suspect; "@g" after the name puts it in group g,
+// "~0.5" gives its weight and "#k" its engine kind (in that order).
 func round(specs ...string) []Participant {
 	var out []Participant
 	for _, s := range specs {
 		name, ans, _ := strings.Cut(s, "=")
-		p := Participant{Agent: strings.TrimLeft(name, "*!")}
+		p := Participant{}
 		p.Trusted = strings.HasPrefix(name, "*")
 		p.Suspect = strings.HasPrefix(name, "!")
+		name = strings.TrimLeft(name, "*!")
+		name, p.Kind, _ = strings.Cut(name, "#")
+		name, w, _ := strings.Cut(name, "~")
+		if w != "" {
+			p.Weight, _ = strconv.ParseFloat(w, 64)
+		}
+		p.Agent, p.Group, _ = strings.Cut(name, "@")
 		switch ans {
 		case "h":
 			p.Answer = honest
@@ -47,9 +57,15 @@ func TestJudge(t *testing.T) {
 	}{
 		{name: "one liar among three honest", parts: round("h1=h", "h2=h", "h3=h", "l=l"), want: "h1:a h2:a h3:a l:d", against: map[string]string{"l": "h1"}},
 		{name: "all honest", parts: round("h1=h", "h2=h", "h3=h", "h4=h"), want: "h1:a h2:a h3:a h4:a"},
-		{name: "liar among two honest: short of a consensus", parts: round("h1=h", "h2=h", "l=l"), want: "h1:a h2:a l:i"},
-		{name: "liar among two honest, consensus of two", parts: round("h1=h", "h2=h", "l=l"), rules: Rules{MinConsensus: 2}, want: "h1:a h2:a l:d"},
-		{name: "two liars with one honest: nobody convicted", parts: round("h=h", "l1=l", "l2=l"), want: "h:i l1:a l2:a"},
+		{name: "liar among two honest: two voices convict", parts: round("h1=h", "h2=h", "l=l"), want: "h1:a h2:a l:d"},
+		{name: "liar among two honest, three voices asked for", parts: round("h1=h", "h2=h", "l=l"), rules: Rules{MinVoices: 3}, want: "h1:a h2:a l:i"},
+		{name: "one against one decides nothing", parts: round("h=h", "l=l"), want: "h:i l:i"},
+		{name: "two independent liars outvote one honest agent", parts: round("h=h", "l1=l", "l2=l"), want: "h:d l1:a l2:a"},
+		{name: "two liars of one network are one voice", parts: round("h=h", "l1@net=l", "l2@net=l"), want: "h:i l1:i l2:i"},
+		{name: "three liars of one network beside two honest lose", parts: round("h1=h", "h2=h", "l1@net=l", "l2@net=l", "l3@net=l"), want: "h1:a h2:a l1:d l2:d l3:d"},
+		{name: "new voices weigh little against tenured ones", parts: round("h=h", "l1~0.2=l", "l2~0.2=l"), want: "h:i l1:i l2:i"},
+		{name: "tenured voices convict a new liar", parts: round("h1=h", "h2=h", "l~0.2=l"), want: "h1:a h2:a l:d"},
+		{name: "two against two is a standoff", parts: round("h1=h", "h2=h", "l1=l", "l2=l"), want: "h1:i h2:i l1:i l2:i"},
 		{name: "two liars with one honest and a reference", parts: round("h=h", "l1=l", "l2=l", "*ref=h"), want: "h:a l1:d l2:d", byRef: true, against: map[string]string{"l1": "ref"}},
 		{name: "the reference outweighs a consensus", parts: round("h1=h", "h2=h", "h3=h", "l=l", "*ref=l"), want: "h1:d h2:d h3:d l:a", byRef: true},
 		{name: "two references split", parts: round("a=h", "*r1=h", "*r2=l"), want: "a:i", byRef: true},
@@ -59,6 +75,10 @@ func TestJudge(t *testing.T) {
 		{name: "alone", parts: round("a=h"), want: "a:i"},
 		{name: "empty answers are inconclusive against empty", parts: round("a=e", "b=e", "c=e", "d=e"), want: "a:i b:i c:i d:i"},
 		{name: "empty answer among honest", parts: round("h1=h", "h2=h", "h3=h", "x=e"), want: "h1:a h2:a h3:a x:d"},
+		{name: "sampled: other kinds do not compare", parts: round("h1#vllm=h", "h2#vllm=h", "l#llama=l"), rules: Rules{Sampled: true}, want: "h1:a h2:a l:i"},
+		{name: "sampled: a liar of the voices' kind is convicted", parts: round("h1#vllm=h", "h2#vllm=h", "l#vllm=l", "x#llama=h"), rules: Rules{Sampled: true}, want: "h1:a h2:a l:d x:i"},
+		{name: "greedy: kinds compare", parts: round("h1#vllm=h", "h2#vllm=h", "l#llama=l"), want: "h1:a h2:a l:d"},
+		{name: "sampled: a reference of another kind does not judge", parts: round("h1#vllm=h", "h2#vllm=h", "l#vllm=l", "*ref#llama=l"), rules: Rules{Sampled: true}, want: "h1:a h2:a l:d"},
 	}
 	letter := map[Outcome]string{Agree: "a", Disagree: "d", Inconclusive: "i"}
 	for _, tc := range tests {
@@ -81,5 +101,34 @@ func TestJudge(t *testing.T) {
 				t.Errorf("got %s, want %s", g, tc.want)
 			}
 		})
+	}
+}
+
+func TestIndependenceGroups(t *testing.T) {
+	a := func(s string) netip.Addr { return netip.MustParseAddr(s) }
+	for _, tc := range []struct {
+		in    Independence
+		agent string
+		addr  netip.Addr
+		want  string
+	}{
+		{ByNetwork, "x", a("198.18.7.9"), "198.18.7.0/24"},
+		{ByNetwork, "x", a("::ffff:198.18.7.9"), "198.18.7.0/24"},
+		{ByNetwork, "x", a("2001:db8:1:2::5"), "2001:db8:1::/48"},
+		{ByAddress, "x", a("198.18.7.9"), "198.18.7.9"},
+		{ByAgent, "x", a("198.18.7.9"), "agent:x"},
+		{ByNetwork, "cloud", netip.Addr{}, "agent:cloud"},
+	} {
+		if got := tc.in.Group(tc.agent, tc.addr); got != tc.want {
+			t.Errorf("%v.Group(%s, %v) = %q, want %q", tc.in, tc.agent, tc.addr, got, tc.want)
+		}
+	}
+	for _, n := range []string{"network", "address", "agent"} {
+		if in, err := ParseIndependence(n); err != nil || in.String() != n {
+			t.Errorf("ParseIndependence(%q) = %v, %v", n, in, err)
+		}
+	}
+	if _, err := ParseIndependence("ip"); err == nil {
+		t.Error("ParseIndependence(ip) took it")
 	}
 }

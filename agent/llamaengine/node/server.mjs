@@ -7,8 +7,8 @@
 // Prints one line of JSON to stdout when it listens: {"listening":"HOST:PORT"}.
 //
 // Routes: POST /v1/chat/completions and /v1/completions (streamed or not;
-// temperature 0 unless the request sets one; seed, max_tokens, logprobs and
-// top_logprobs honoured), GET /v1/models, /health, /props, /slots, /metrics
+// temperature 0 unless the request sets one; seed, top_p, top_k, min_p,
+// stop, max_tokens, logprobs and top_logprobs honoured), GET /v1/models, /health, /props, /slots, /metrics
 // (llama.cpp's llamacpp:* names). Errors are OpenAI error JSON.
 import http from 'node:http';
 import { parseArgs } from 'node:util';
@@ -131,6 +131,7 @@ async function complete(req, res, chat) {
   const wantLogprobs = chat ? body.logprobs === true : body.logprobs != null;
   const topN = chat ? Number(body.top_logprobs ?? 0) : Number(body.logprobs ?? 0);
   const stream = body.stream === true;
+  const stops = (Array.isArray(body.stop) ? body.stop : body.stop != null ? [body.stop] : []).filter((x) => typeof x === 'string' && x !== '');
   const includeUsage = stream && body.stream_options && body.stream_options.include_usage === true;
   const id = (chat ? 'chatcmpl-' : 'cmpl-') + Math.random().toString(36).slice(2);
   const created = Math.floor(Date.now() / 1000);
@@ -145,19 +146,31 @@ async function complete(req, res, chat) {
   const out = [];
   const logprobs = [];
   let text = '';
+  let stopped = false;
   try {
     if (stream) {
       res.writeHead(200, { 'Content-Type': 'text/event-stream', 'Cache-Control': 'no-cache' });
       if (chat) sse(res, { id, object, created, model: name, choices: [{ index: 0, delta: { role: 'assistant', content: '' }, finish_reason: null }] });
     }
-    const options = { temperature, seed: body.seed != null ? Number(body.seed) : undefined };
+    const options = {
+      temperature,
+      seed: body.seed != null ? Number(body.seed) : undefined,
+      topP: body.top_p != null ? Number(body.top_p) : undefined,
+      topK: body.top_k != null ? Number(body.top_k) : undefined,
+      minP: body.min_p != null ? Number(body.min_p) : undefined,
+    };
     const it = wantLogprobs
       ? seq.evaluateWithMetadata(tokens, { probabilities: true }, options)
       : seq.evaluate(tokens, options);
     for await (const item of it) {
       const t = wantLogprobs ? item.token : item;
       out.push(t);
-      const full = model.detokenize(out);
+      let full = model.detokenize(out);
+      const hit = stops.map((x) => full.indexOf(x)).filter((i) => i >= 0);
+      if (hit.length > 0) {
+        full = full.slice(0, Math.min(...hit));
+        stopped = true;
+      }
       const piece = full.slice(text.length);
       text = full;
       let lp = null;
@@ -176,7 +189,7 @@ async function complete(req, res, chat) {
         if (lp) choice.logprobs = { content: [lp] };
         sse(res, { id, object, created, model: name, choices: [choice] });
       }
-      if (aborted || out.length >= maxTokens) break;
+      if (aborted || stopped || out.length >= maxTokens) break;
     }
   } finally {
     processing--;
@@ -185,7 +198,7 @@ async function complete(req, res, chat) {
     await release(seq);
   }
   if (aborted) return;
-  const finish = out.length >= maxTokens ? 'length' : 'stop';
+  const finish = out.length >= maxTokens && !stopped ? 'length' : 'stop';
   const usage = { prompt_tokens: tokens.length, completion_tokens: out.length, total_tokens: tokens.length + out.length, prompt_tokens_details: { cached_tokens: 0 } };
   if (stream) {
     const last = chat ? { index: 0, delta: {}, finish_reason: finish } : { index: 0, text: '', finish_reason: finish };

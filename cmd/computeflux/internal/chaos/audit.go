@@ -11,7 +11,6 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,9 +21,13 @@ import (
 
 // The audit scenario: agents that lie about their model among honest ones,
 // as real processes (a relay, sim engines or llama.cpp engines, and one
-// agent process each) under keyless client load, with the relay's audits
-// at their defaults. It reports when each liar left routing and what every
-// agent served before and after, and the audits' share of the tokens.
+// agent process each) under client load as chat front ends send it (no
+// session key, sampled decoding, a user field, an API key per client),
+// with the relay's audits at their defaults. Liars run another model for
+// everything; fronts run the claimed model only for requests that look
+// like audits by the earlier audits' own description, another for the
+// rest. It reports when each cheater left routing and what every agent
+// served before and after, and the audits' share of the tokens.
 
 // Models of the audit scenario: sim engines serve SimModel, llama.cpp
 // engines LlamaModel.
@@ -33,18 +36,30 @@ const (
 	LlamaModel = "tiny"
 )
 
-// AuditGroup is a set of agents in the audit scenario. Agents of a group
-// share an engine kind and a model (seed or GGUF); honest ones use the
-// scenario's seed 1, liars seed 2.
+// AuditGroup is a set of agents in the audit scenario serving one model.
+// Agents of a group share an engine kind; honest ones run the scenario's
+// seed 1 (or GGUF), liars seed 2.
 type AuditGroup struct {
 	// Honest and Liars count the agents of each kind.
 	Honest, Liars int
+	// Fronts counts cheating fronts: agents in front of a proxy that sends
+	// the requests that look like audits by the earlier description of
+	// them (greedy and at most 32 tokens, or no user field), and those
+	// repeating a prompt it saw or naming a user it never saw, to an
+	// engine of the claimed model, and everything else to one of another.
+	Fronts int
 	// Reference adds one more honest agent that the endpoints file marks
 	// as the operator's reference for the group's model.
 	Reference bool
+	// Provider adds a provider endpoint in the endpoints file, an engine
+	// of the honest model, serving the group's model (not a reference).
+	Provider bool
 	// Llama runs llama.cpp engines (llamaengine) serving tiny GGUF models
 	// instead of sim engines.
 	Llama bool
+	// Model is the group's model name. Empty: SimModel or LlamaModel,
+	// with the group's index when another group of its kind came first.
+	Model string
 }
 
 // AuditConfig configures RunAudit. The zero value of every field but Binary
@@ -67,8 +82,15 @@ type AuditConfig struct {
 	// keyless (no session), every other one streamed. Default 4; one in
 	// four asks the llama.cpp model when a group runs it.
 	Workers int
-	// MaxTokens is each answer's length. Default 32.
+	// MaxTokens is each answer's length. Default 48.
 	MaxTokens int
+	// Greedy makes clients decode greedily (temperature 0) and send no
+	// user field; the default is what chat front ends send: temperature
+	// 0.8 and a user.
+	Greedy bool
+	// Window is the span at the end of the load over which each agent's
+	// share is also reported. Default 30 s.
+	Window time.Duration
 	// TimeScale speeds up the sim engines. Default 4.
 	TimeScale float64
 	// RelayArgs are added to the relay's command line (--no-audits,
@@ -90,7 +112,10 @@ func (c *AuditConfig) populate() {
 		c.Workers = 4
 	}
 	if c.MaxTokens == 0 {
-		c.MaxTokens = 32
+		c.MaxTokens = 48
+	}
+	if c.Window == 0 {
+		c.Window = 30 * time.Second
 	}
 	if c.TimeScale == 0 {
 		c.TimeScale = DefaultTimeScale
@@ -101,7 +126,7 @@ func (c *AuditConfig) populate() {
 type AuditAgent struct {
 	Name  string
 	Model string
-	// Kind is "honest", "liar" or "reference".
+	// Kind is "honest", "liar", "front" or "reference".
 	Kind string
 	// Served counts the client requests it served; First is when it served
 	// its first, since the load began (-1 if none).
@@ -119,6 +144,12 @@ type AuditAgent struct {
 	// as one of the others its answer was compared with);
 	// AuditsToQuarantine those up to the convicting one.
 	Audits, AuditsToQuarantine int
+	// InWindow counts the requests it served of the AllInWindow for its
+	// model sent in the last Window of the load.
+	InWindow, AllInWindow int
+	// Real and Cheap count, for a front, the requests it sent to the
+	// claimed model and to the other one.
+	Real, Cheap int
 }
 
 // AuditResult is what RunAudit saw.
@@ -132,6 +163,8 @@ type AuditResult struct {
 	AuditTokens, ServedTokens, Share float64
 	// Verdicts are the relay's verdict counts by outcome.
 	Verdicts map[string]float64
+	// Window is the span the InWindow counts cover.
+	Window time.Duration
 }
 
 // Write prints the result.
@@ -140,7 +173,12 @@ func (r *AuditResult) Write(w io.Writer) {
 	fmt.Fprintf(w, "  audit tokens %.0f of %.0f served (share %.4f); verdicts %v\n", r.AuditTokens, r.ServedTokens, r.Share, r.Verdicts)
 	for _, a := range r.Agents {
 		total := r.Answered[a.Model]
-		line := fmt.Sprintf("  %-18s %-5s %-9s served %4d (%5.1f%%), in %d audits", a.Name, a.Model, a.Kind, a.Served, 100*float64(a.Served)/float64(max(total, 1)), a.Audits)
+		line := fmt.Sprintf("  %-18s %-6s %-9s served %4d (%5.1f%%), last %v %5.1f%% (%d of %d), in %d audits", a.Name, a.Model, a.Kind,
+			a.Served, 100*float64(a.Served)/float64(max(total, 1)), r.Window, 100*float64(a.InWindow)/float64(max(a.AllInWindow, 1)),
+			a.InWindow, a.AllInWindow, a.Audits)
+		if a.Kind == "front" {
+			line += fmt.Sprintf(", front sent %d to the claimed model, %d to another", a.Real, a.Cheap)
+		}
 		if a.Quarantined > 0 {
 			line += fmt.Sprintf(", quarantined %v after its first request by its audit %d (%s), having served %d of %d; then %d of %d",
 				(a.Quarantined - max(a.First, 0)).Round(100*time.Millisecond), a.AuditsToQuarantine, a.Audit,
@@ -170,6 +208,10 @@ type auditRun struct {
 	procs   []*proc
 	llamas  []*llamaengine.Engine
 	agents  []AuditAgent
+	models  []string          // the groups' models, in order
+	keys    []string          // the clients' API keys, one per worker
+	fronts  []*front          // the cheating fronts
+	frontOf map[string]*front // by agent name
 }
 
 func (a *auditRun) progress(format string, args ...any) {
@@ -187,7 +229,7 @@ func RunAudit(ctx context.Context, cfg AuditConfig) (*AuditResult, error) {
 	if cfg.Binary == "" {
 		return nil, errors.New("chaos: no binary")
 	}
-	a := &auditRun{cfg: cfg, dir: cfg.Dir}
+	a := &auditRun{cfg: cfg, dir: cfg.Dir, frontOf: map[string]*front{}}
 	if a.dir == "" {
 		d, err := os.MkdirTemp("", "computeflux-audit-")
 		if err != nil {
@@ -208,6 +250,17 @@ func (a *auditRun) start(ctx context.Context) error {
 	if err := os.WriteFile(token, []byte(randomHex(32)), 0o600); err != nil {
 		return err
 	}
+	// One API key per client: the relay knows its clients apart, as a
+	// shared relay does.
+	var keys strings.Builder
+	for w := range a.cfg.Workers {
+		a.keys = append(a.keys, fmt.Sprintf("sk-audit-%d-%s", w, randomHex(8)))
+		keys.WriteString(a.keys[w] + "\n")
+	}
+	keyFile := filepath.Join(a.dir, "api-keys")
+	if err := os.WriteFile(keyFile, []byte(keys.String()), 0o600); err != nil {
+		return err
+	}
 	// The agents, their engines' seeds, and the references.
 	type member struct {
 		AuditAgent
@@ -216,11 +269,21 @@ func (a *auditRun) start(ctx context.Context) error {
 	}
 	var members []member
 	var refs []string
+	var providers []string // endpoints file entries
+	seen := map[bool]int{}
 	for gi, g := range a.cfg.Groups {
 		model, prefix := SimModel, fmt.Sprintf("sim%d", gi)
 		if g.Llama {
 			model, prefix = LlamaModel, fmt.Sprintf("llama%d", gi)
 		}
+		if seen[g.Llama] > 0 {
+			model = fmt.Sprintf("%s-%d", model, gi)
+		}
+		seen[g.Llama]++
+		if g.Model != "" {
+			model = g.Model
+		}
+		a.models = append(a.models, model)
 		add := func(kind string, n int, seed uint64) {
 			for i := range n {
 				name := fmt.Sprintf("%s-%s-%d", prefix, kind, i)
@@ -235,15 +298,39 @@ func (a *auditRun) start(ctx context.Context) error {
 		}
 		add("honest", g.Honest, 1)
 		add("liar", g.Liars, 2)
+		add("front", g.Fronts, 1)
+		if g.Provider {
+			up, err := a.engine(ctx, prefix+"-provider", model, 1, g.Llama)
+			if err != nil {
+				return err
+			}
+			kind := "computeflux-sim"
+			if g.Llama {
+				kind = "llamacpp"
+			}
+			providers = append(providers, fmt.Sprintf("  - {name: %s-provider, url: %s/v1, models: [%s], engine: %s}\n", prefix, up, model, kind))
+		}
 	}
-	args := []string{"relay", "--no-auth", "--listen", "127.0.0.1:0", "--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1",
+	args := []string{"relay", "--api-keys-file", keyFile, "--listen", "127.0.0.1:0", "--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1",
 		"--identity", filepath.Join(a.dir, "relay.key"), "--token-file", token, "--addr-file", filepath.Join(a.dir, "relay.addrs"),
+		// Every agent runs on this machine, behind 127.0.0.1: each is a
+		// voice of its own (the NAT lab's audit test has them behind
+		// addresses of their own).
+		"--audit-independence", "agent",
 		"--log-format", "json"}
-	if len(refs) > 0 {
+	if len(refs) > 0 || len(providers) > 0 {
 		var b strings.Builder
-		b.WriteString("agents:\n")
-		for _, r := range refs {
-			fmt.Fprintf(&b, "  - name: %s\n    reference: true\n", r)
+		if len(refs) > 0 {
+			b.WriteString("agents:\n")
+			for _, r := range refs {
+				fmt.Fprintf(&b, "  - name: %s\n    reference: true\n", r)
+			}
+		}
+		if len(providers) > 0 {
+			b.WriteString("endpoints:\n")
+			for _, p := range providers {
+				b.WriteString(p)
+			}
 		}
 		ef := filepath.Join(a.dir, "endpoints.yaml")
 		if err := os.WriteFile(ef, []byte(b.String()), 0o600); err != nil {
@@ -267,39 +354,23 @@ func (a *auditRun) start(ctx context.Context) error {
 	}
 	a.relayMA = strings.TrimSpace(strings.Split(string(b), "\n")[0])
 
-	ggufs := map[uint64]string{}
 	for _, m := range members {
-		var upstream string
-		if m.llama {
-			path, ok := ggufs[m.seed]
-			if !ok {
-				path = filepath.Join(a.dir, fmt.Sprintf("tiny-%d.gguf", m.seed))
-				if err := llamaengine.WriteModelFile(path, llamaengine.ModelConfig{Seed: m.seed}); err != nil {
-					return err
-				}
-				ggufs[m.seed] = path
-			}
-			sctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
-			e, err := llamaengine.Start(sctx, llamaengine.Config{Model: path, Name: LlamaModel, Stderr: a.cfg.Echo})
-			cancel()
+		upstream, err := a.engine(ctx, m.Name, m.Model, m.seed, m.llama)
+		if err != nil {
+			return err
+		}
+		if m.Kind == "front" {
+			cheap, err := a.engine(ctx, m.Name+"-cheap", m.Model, 2, m.llama)
 			if err != nil {
 				return err
 			}
-			a.llamas = append(a.llamas, e)
-			upstream = e.URL
-		} else {
-			e, err := startWith(m.Name+"-engine", a.cfg.Binary, procOptions{Echo: a.cfg.Echo}, "sim-engine", "--listen", "127.0.0.1:0",
-				"--model", SimModel, "--seed", strconv.FormatUint(m.seed, 10),
-				"--time-scale", fmt.Sprint(a.cfg.TimeScale), "--log-format", "json")
+			f, err := newFront(upstream, cheap)
 			if err != nil {
 				return err
 			}
-			a.procs = append(a.procs, e)
-			l, err := e.waitLog(startTimeout, func(l logLine) bool { return l.str("message") == "sim engine serving" })
-			if err != nil {
-				return err
-			}
-			upstream = l.str("url")
+			a.fronts = append(a.fronts, f)
+			a.frontOf[m.Name] = f
+			upstream = f.url
 		}
 		since := time.Now()
 		ag, err := startWith(m.Name, a.cfg.Binary, procOptions{Echo: a.cfg.Echo}, "agent", "--relay", a.relayMA, "--token-file", token,
@@ -320,6 +391,40 @@ func (a *auditRun) start(ctx context.Context) error {
 	return nil
 }
 
+// engine starts an engine serving model under name (its process's name),
+// running seed's model: a sim engine, or llama.cpp serving the GGUF of
+// seed; it returns its base URL.
+func (a *auditRun) engine(ctx context.Context, name, model string, seed uint64, llama bool) (string, error) {
+	if llama {
+		path := filepath.Join(a.dir, fmt.Sprintf("tiny-%d.gguf", seed))
+		if _, err := os.Stat(path); err != nil {
+			if err := llamaengine.WriteModelFile(path, llamaengine.ModelConfig{Seed: seed}); err != nil {
+				return "", err
+			}
+		}
+		sctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		e, err := llamaengine.Start(sctx, llamaengine.Config{Model: path, Name: model, Stderr: a.cfg.Echo})
+		cancel()
+		if err != nil {
+			return "", err
+		}
+		a.llamas = append(a.llamas, e)
+		return e.URL, nil
+	}
+	e, err := startWith(name+"-engine", a.cfg.Binary, procOptions{Echo: a.cfg.Echo}, "sim-engine", "--listen", "127.0.0.1:0",
+		"--model", model, "--seed", strconv.FormatUint(seed, 10),
+		"--time-scale", fmt.Sprint(a.cfg.TimeScale), "--log-format", "json")
+	if err != nil {
+		return "", err
+	}
+	a.procs = append(a.procs, e)
+	l, err := e.waitLog(startTimeout, func(l logLine) bool { return l.str("message") == "sim engine serving" })
+	if err != nil {
+		return "", err
+	}
+	return l.str("url"), nil
+}
+
 func (a *auditRun) stop() {
 	var wg sync.WaitGroup
 	for _, p := range append([]*proc{a.relay}, a.procs...) {
@@ -330,6 +435,9 @@ func (a *auditRun) stop() {
 	for _, e := range a.llamas {
 		wg.Go(func() { e.Close() })
 	}
+	for _, f := range a.fronts {
+		f.close()
+	}
 	wg.Wait()
 }
 
@@ -338,7 +446,7 @@ func (a *auditRun) stop() {
 func (a *auditRun) liarsCaught() bool {
 	left := map[string]bool{}
 	for _, ag := range a.agents {
-		if ag.Kind == "liar" {
+		if ag.Kind == "liar" || ag.Kind == "front" {
 			left[ag.Name] = true
 		}
 	}
@@ -359,15 +467,10 @@ type served struct {
 }
 
 func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
-	llama := false
-	for _, g := range a.cfg.Groups {
-		llama = llama || g.Llama
-	}
-	sim := slices.ContainsFunc(a.cfg.Groups, func(g AuditGroup) bool { return !g.Llama })
 	tr := &http.Transport{MaxIdleConnsPerHost: a.cfg.Workers}
 	defer tr.CloseIdleConnections()
 	client := &http.Client{Transport: tr, Timeout: DefaultReqTimeout}
-	res := &AuditResult{Answered: map[string]int{}, Failed: map[string]int{}}
+	res := &AuditResult{Answered: map[string]int{}, Failed: map[string]int{}, Window: a.cfg.Window}
 	var (
 		mu   sync.Mutex
 		log  []served
@@ -376,10 +479,6 @@ func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
 	)
 	start := time.Now()
 	for w := range a.cfg.Workers {
-		model := SimModel
-		if llama && (!sim || w%4 == 3) {
-			model = LlamaModel
-		}
 		rng := rand.New(rand.NewPCG(uint64(w), 99))
 		wg.Go(func() {
 			for i := 0; ; i++ {
@@ -390,11 +489,15 @@ func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
 					return
 				default:
 				}
+				model := a.models[(w+i)%len(a.models)]
 				sent := time.Since(start)
-				agent, err := a.ask(ctx, client, model, rng, w%2 == 1)
+				agent, err := a.ask(ctx, client, w, model, rng, i%2 == 1)
 				mu.Lock()
 				if err != nil {
 					res.Failed[model]++
+					if res.Failed[model] <= 3 {
+						a.progress("request for %s failed: %v", model, err)
+					}
 				} else {
 					res.Answered[model]++
 					log = append(log, served{at: sent, model: model, agent: agent})
@@ -415,7 +518,7 @@ func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
 		case <-tick.C:
 			if a.cfg.After > 0 && !caught && a.liarsCaught() {
 				caught = true
-				a.progress("every liar quarantined; %v more", a.cfg.After)
+				a.progress("every cheater quarantined; %v more", a.cfg.After)
 				end.Reset(a.cfg.After)
 			}
 			continue
@@ -452,6 +555,7 @@ func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
 			}
 		}
 	}
+	windowFrom := res.Wall - a.cfg.Window
 	for _, ag := range a.agents {
 		ag.Audits = audits[ag.Name]
 		if _, ok := quarantined[ag.Name]; ok {
@@ -460,11 +564,20 @@ func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
 		if l, ok := quarantined[ag.Name]; ok && l.at.After(start) {
 			ag.Quarantined, ag.Audit, ag.Reason = l.at.Sub(start), l.str("audit"), l.str("reason")
 		}
+		if f := a.frontOf[ag.Name]; f != nil {
+			ag.Real, ag.Cheap = f.counts()
+		}
 		for _, s := range log {
 			if s.agent == ag.Name {
 				ag.Served++
 				if ag.First < 0 {
 					ag.First = s.at
+				}
+			}
+			if s.model == ag.Model && s.at >= windowFrom {
+				ag.AllInWindow++
+				if s.agent == ag.Name {
+					ag.InWindow++
 				}
 			}
 			if ag.Quarantined > 0 && s.model == ag.Model && s.at > ag.Quarantined {
@@ -482,28 +595,36 @@ func (a *auditRun) run(ctx context.Context) (*AuditResult, error) {
 	return res, nil
 }
 
-// auditWords make the clients' prompts.
-var auditWords = strings.Fields("alpha bravo river mountain green quick table window paper garden music " +
+// clientWords make the clients' prompts.
+var clientWords = strings.Fields("alpha bravo river mountain green quick table window paper garden music " +
 	"history letter market bridge winter summer light water city morning story travel friend number")
 
-// ask sends one chat request for model with a prompt of its own and
-// returns the agent that served it.
-func (a *auditRun) ask(ctx context.Context, client *http.Client, model string, rng *rand.Rand, stream bool) (string, error) {
+// ask sends one chat request for model as client w, with a prompt of its
+// own, and returns the agent that served it. Decoding is sampled, with a
+// user of the client's (from a pool of 8), unless Greedy.
+func (a *auditRun) ask(ctx context.Context, client *http.Client, w int, model string, rng *rand.Rand, stream bool) (string, error) {
 	var p strings.Builder
 	for range 20 + rng.IntN(40) {
-		p.WriteString(auditWords[rng.IntN(len(auditWords))])
+		p.WriteString(clientWords[rng.IntN(len(clientWords))])
 		p.WriteByte(' ')
 	}
-	body, _ := json.Marshal(map[string]any{
+	req := map[string]any{
 		"model": model, "messages": []map[string]string{{"role": "user", "content": p.String()}},
-		"max_tokens": a.cfg.MaxTokens, "stream": stream, "temperature": 0,
-	})
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, a.url+"/v1/chat/completions", bytes.NewReader(body))
+		"max_tokens": a.cfg.MaxTokens, "stream": stream, "temperature": 0.8,
+		"user": fmt.Sprintf("user-%d-%04d", w, 1000+rng.IntN(8)),
+	}
+	if a.cfg.Greedy {
+		req["temperature"] = 0
+		delete(req, "user")
+	}
+	body, _ := json.Marshal(req)
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, a.url+"/v1/chat/completions", bytes.NewReader(body))
 	if err != nil {
 		return "", err
 	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := client.Do(req)
+	hr.Header.Set("Content-Type", "application/json")
+	hr.Header.Set("Authorization", "Bearer "+a.keys[w])
+	resp, err := client.Do(hr)
 	if err != nil {
 		return "", err
 	}

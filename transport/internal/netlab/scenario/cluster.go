@@ -92,6 +92,9 @@ type ClusterConfig struct {
 	// Prefix and Logf are passed to netlab.
 	Prefix string
 	Logf   func(string, ...any)
+	// Seeds are the homes' engine seeds, by home; a missing or zero one
+	// is i+1 (every home another model of SharedModel).
+	Seeds []uint64
 	// RelayArgs and AgentArgs are added to the relay's and agents' flags.
 	RelayArgs, AgentArgs []string
 	// Features overrides the probe of the binary when set.
@@ -111,6 +114,8 @@ type Cluster struct {
 	RelayID string
 	Engines []*Process
 	Agents  []*Process // nil entries for agents not running
+	// Extra are agents added to homes by AddAgent.
+	Extra []*Process
 
 	cfg    ClusterConfig
 	client *http.Client
@@ -183,6 +188,7 @@ func (c *Cluster) Close() {
 		wg.Wait()
 	}
 	stopAll(c.Agents)
+	stopAll(c.Extra)
 	c.mu.Lock()
 	procs := slices.Clone(c.procs)
 	c.mu.Unlock()
@@ -275,10 +281,14 @@ func (c *Cluster) KillRelay() {
 }
 
 func (c *Cluster) startEngine(ctx context.Context, i int) (*Process, error) {
+	seed := uint64(i + 1)
+	if i < len(c.cfg.Seeds) && c.cfg.Seeds[i] != 0 {
+		seed = c.cfg.Seeds[i]
+	}
 	p, err := c.start(c.Lab.Homes[i].NS, "engine-"+AgentName(i), "sim-engine",
 		"--listen", EngineListen,
 		"--model", SharedModel, "--model", HomeModel(i),
-		"--time-scale", "20", "--default-max-tokens", "8", "--seed", fmt.Sprint(i+1),
+		"--time-scale", "20", "--default-max-tokens", "8", "--seed", fmt.Sprint(seed),
 		"--log-format", "json", "--log-level", "warn",
 	)
 	if err != nil {
@@ -292,14 +302,34 @@ func (c *Cluster) startEngine(ctx context.Context, i int) (*Process, error) {
 
 // StartAgent starts home i's agent and waits until it has joined the relay.
 func (c *Cluster) StartAgent(ctx context.Context, i int) error {
-	name := AgentName(i)
+	p, err := c.startAgent(ctx, i, AgentName(i), "4001")
+	if p != nil {
+		c.Agents[i] = p
+	}
+	return err
+}
+
+// AddAgent starts one more agent in home i, named name, in front of the
+// home's engine, and waits until it has joined: several agents behind one
+// NAT, as one person can run.
+func (c *Cluster) AddAgent(ctx context.Context, i int, name string) error {
+	p, err := c.startAgent(ctx, i, name, "0")
+	if p != nil {
+		c.mu.Lock()
+		c.Extra = append(c.Extra, p)
+		c.mu.Unlock()
+	}
+	return err
+}
+
+func (c *Cluster) startAgent(ctx context.Context, i int, name, port string) (*Process, error) {
 	args := []string{"agent",
 		"--relay", RelayP2P + "/p2p/" + c.RelayID,
 		"--token-file", c.path("token"),
 		"--upstream", "http://" + EngineListen,
 		"--name", name,
 		"--identity", c.path(name + ".key"),
-		"--p2p-listen", "/ip4/0.0.0.0/udp/4001/quic-v1",
+		"--p2p-listen", "/ip4/0.0.0.0/udp/" + port + "/quic-v1",
 		"--drain-timeout", "2s",
 		"--log-format", "json", "--log-level", "debug",
 	}
@@ -309,16 +339,15 @@ func (c *Cluster) StartAgent(ctx context.Context, i int) error {
 	args = append(args, c.cfg.AgentArgs...)
 	p, err := c.start(c.Lab.Homes[i].NS, "agent-"+name, args...)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	c.Agents[i] = p
 	if _, err := p.Log.Wait(ctx, Msg("joined relay")); err != nil {
-		return fmt.Errorf("agent %s: %w\n%s", name, err, p.Log.Tail(20))
+		return p, fmt.Errorf("agent %s: %w\n%s", name, err, p.Log.Tail(20))
 	}
 	if l, err := p.Log.Wait(ctx, Contains("agent peer ID: ")); err == nil {
 		p.PeerID = strings.TrimSpace(l.Raw[strings.Index(l.Raw, "agent peer ID: ")+len("agent peer ID: "):])
 	}
-	return nil
+	return p, nil
 }
 
 // Process is one computeflux process of a cluster.
