@@ -199,6 +199,9 @@ COMPUTEFLUX_API_KEYS_FILE=/etc/computeflux/api-keys
 COMPUTEFLUX_TOKEN_FILE=/etc/computeflux/join-token
 COMPUTEFLUX_IDENTITY=/var/lib/computeflux/relay.key
 COMPUTEFLUX_ADDR_FILE=/var/lib/computeflux/relay.addrs
+# The usage ledger is on: /var/lib/computeflux/relay-usage.db, beside the
+# identity (computeflux usage reads it through the admin API). To keep none:
+#COMPUTEFLUX_LEDGER_FILE=none
 # A public relay must use TLS (clients send API keys):
 #COMPUTEFLUX_TLS_CERT=/etc/computeflux/tls.crt
 #COMPUTEFLUX_TLS_KEY=/etc/computeflux/tls.key

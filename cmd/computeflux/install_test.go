@@ -130,8 +130,8 @@ func TestInstallScript(t *testing.T) {
 	}
 
 	// The settings are what the commands accept.
-	if _, _, err := relayConfig(nil, envLookup(t, root, "relay.env"), io.Discard); err != nil {
-		t.Errorf("relay.env: %v", err)
+	if _, files, err := relayConfig(nil, envLookup(t, root, "relay.env"), io.Discard); err != nil || files.ledger != "/var/lib/computeflux/relay-usage.db" {
+		t.Errorf("relay.env: %v (usage ledger %q, want it in the unit's state directory)", err, files.ledger)
 	}
 	agentEnv := envLookup(t, root, "agent.env")
 	cfg, err := agentConfig(nil, agentEnv, io.Discard)

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"path/filepath"
 	"strings"
 
 	"github.com/libp2p/go-libp2p/core/peer"
@@ -64,20 +65,80 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 // (both or neither) and the usage ledger's.
 type relayFiles struct {
 	cert, key string
-	ledger    string // the usage ledger's file; empty: no ledger
+	ledger    string // the usage ledger's file; empty: no ledger (--ledger-file none)
 	failClose bool   // budgets refuse while the ledger cannot write
 }
 
+// noLedger is the --ledger-file value that keeps no ledger.
+const noLedger = "none"
+
+// relayStateDir is where a relay keeps the files no flag names: beside
+// its identity file when it has one (the installed unit's
+// /var/lib/computeflux/relay.key), else systemd's StateDirectory
+// ($STATE_DIRECTORY, set by the unit's StateDirectory=), else
+// <user config dir>/computeflux, where an agent keeps its identity.
+func relayStateDir(identity string, lookupEnv func(string) (string, bool)) (string, error) {
+	if identity != "" {
+		return filepath.Dir(identity), nil
+	}
+	if d, ok := lookupEnv("STATE_DIRECTORY"); ok && d != "" {
+		d, _, _ = strings.Cut(d, ":") // several directories: the first is the unit's own
+		return d, nil
+	}
+	dir, err := os.UserConfigDir()
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(dir, "computeflux"), nil
+}
+
+// defaultLedgerFile is the ledger's file when --ledger-file is not given:
+// in the relay's state directory, named after its identity file
+// (relay.key: relay-usage.db), so that relays of several identities in one
+// directory keep one ledger each; relay-usage.db without an identity. Two
+// relays given the same file cannot share it: the second fails to start
+// (bbolt locks the file).
+func defaultLedgerFile(identity string, lookupEnv func(string) (string, bool)) (string, error) {
+	dir, err := relayStateDir(identity, lookupEnv)
+	if err != nil {
+		return "", fmt.Errorf("no state directory for the usage ledger (%w): give --ledger-file FILE, or --ledger-file none to keep no ledger", err)
+	}
+	name := "relay"
+	if identity != "" {
+		base := filepath.Base(identity)
+		if stem := strings.TrimSuffix(base, filepath.Ext(base)); stem != "" {
+			name = stem
+		}
+	}
+	return filepath.Join(dir, name+"-usage.db"), nil
+}
+
 // openLedger opens the usage ledger f names into cfg; the returned
-// function closes it (a no-op without a ledger).
+// function closes it (a no-op without a ledger). A file that cannot be
+// created, locked or written is a start-up error: a ledger that starts
+// counting in memory only would lose the usage it was started to keep.
+// (Once started, a ledger whose file fails keeps counting in memory and
+// retries; see ledger.Open.)
 func (f relayFiles) openLedger(cfg *relay.Config) (func(), error) {
 	if f.ledger == "" {
 		return func() {}, nil
 	}
-	l, err := ledger.Open(ledger.Config{Path: f.ledger, FailClosed: f.failClose, Logger: cfg.Logger})
-	if err != nil {
-		return nil, fmt.Errorf("relay: --ledger-file: %w", err)
+	hint := "give --ledger-file FILE for another place, or --ledger-file none to keep no ledger"
+	if dir := filepath.Dir(f.ledger); dir != "" {
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return nil, fmt.Errorf("relay: usage ledger %s: %w (%s)", f.ledger, err, hint)
+		}
 	}
+	store, err := ledger.OpenBolt(f.ledger, ledger.DefaultMaxNames, ledger.DefaultMaxFileBytes)
+	if err != nil {
+		return nil, fmt.Errorf("relay: usage ledger: %w (%s)", err, hint)
+	}
+	l, err := ledger.Open(ledger.Config{Path: f.ledger, Store: store, FailClosed: f.failClose, Logger: cfg.Logger})
+	if err != nil {
+		_ = store.Close()
+		return nil, fmt.Errorf("relay: usage ledger: %w", err)
+	}
+	cfg.Logger.Info().Str("file", f.ledger).Msg("usage ledger")
 	cfg.Ledger = l
 	return func() {
 		if err := l.Close(); err != nil {
@@ -134,7 +195,7 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.StringVar(&cfg.MetricsKey, "metrics-key", "", "bearer `key` required on /metrics (empty: /metrics is public)")
 	fs.StringVar(&tf.cert, "tls-cert", "", "serve HTTPS with this PEM certificate chain `file` (with --tls-key)")
 	fs.StringVar(&tf.key, "tls-key", "", "PEM private key `file` for --tls-cert")
-	fs.StringVar(&tf.ledger, "ledger-file", "", "usage ledger `file` (bbolt; created if absent): who used and served what, and clients' budgets (empty: no ledger)")
+	fs.StringVar(&tf.ledger, "ledger-file", "", "usage ledger `file` (bbolt; created if absent): who used and served what, and clients' budgets (default: <identity file's stem>-usage.db beside --identity, else relay-usage.db in $STATE_DIRECTORY or <user config dir>/computeflux; none: no ledger)")
 	fs.BoolVar(&tf.failClose, "ledger-fail-closed", false, "refuse clients with a budget while the ledger cannot write its file (default: serve them on the counts in memory)")
 	ops.register(fs)
 	nat.register(fs)
@@ -191,13 +252,21 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 		}
 		cfg.Clients = cf
 	}
+	switch tf.ledger {
+	case noLedger:
+		tf.ledger = ""
+	case "":
+		if tf.ledger, err = defaultLedgerFile(cfg.IdentityFile, lookupEnv); err != nil {
+			return cfg, tf, fmt.Errorf("relay: %w", err)
+		}
+	}
 	if cfg.Clients != nil && tf.ledger == "" {
 		if !cfg.Clients.Default.Budget.Unlimited() {
-			return cfg, tf, errors.New("relay: --clients-file gives keys without a client a budget: budgets need --ledger-file")
+			return cfg, tf, errors.New("relay: --clients-file gives keys without a client a budget: budgets need the usage ledger (--ledger-file none turns it off)")
 		}
 		for _, c := range cfg.Clients.Clients {
 			if !c.Budget.Unlimited() {
-				return cfg, tf, fmt.Errorf("relay: --clients-file gives client %q a budget: budgets need --ledger-file", c.Name)
+				return cfg, tf, fmt.Errorf("relay: --clients-file gives client %q a budget: budgets need the usage ledger (--ledger-file none turns it off)", c.Name)
 			}
 		}
 	}

@@ -51,8 +51,10 @@ type OverheadConfig struct {
 	// run as path "computeflux-base": before and after a change, side by side.
 	BaseBinary string
 	// RelayArgs and BaseRelayArgs are added to the command line of the
-	// relay of Binary and of BaseBinary (for instance --ledger-file on one
-	// side only: a mechanism's cost, side by side).
+	// relay of Binary and of BaseBinary (for instance --ledger-file none on
+	// one side only: a mechanism's cost, side by side). Each relay keeps its
+	// usage ledger, as by default, in a file of its own in the run's
+	// directory.
 	RelayArgs, BaseRelayArgs []string
 	// FRPS and FRPC are frp's server and client binaries (default: the
 	// COMPUTEFLUX_FRPS and COMPUTEFLUX_FRPC environment variables). frp is
@@ -954,6 +956,9 @@ func startComputeflux(ctx context.Context, cfg OverheadConfig, dir, engineURL, p
 		"--listen", fmt.Sprintf("127.0.0.1:%d", httpPort),
 		"--p2p-listen", "/ip4/127.0.0.1/udp/0/quic-v1",
 		"--token", token, "--no-auth", "--addr-file", addrFile,
+		// The default ledger file is per identity, and these relays have
+		// none: each gets its own, as two relays of one host would.
+		"--ledger-file", filepath.Join(dir, prefix+"relay-usage.db"),
 		"--log-level", cfg.LogLevel}, cfg.RelayArgs...)...)
 	if err != nil {
 		return nil, nil, nil, err

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/csv"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -12,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -21,14 +23,16 @@ import (
 	"github.com/computeflux/computeflux/agent/simengine"
 )
 
-// The usage ledger through real processes: a relay with --ledger-file, two
-// sim engines and their agents. Clients send streamed and non-streamed
+// The usage ledger through real processes: a relay with no ledger flag (the
+// ledger is on by default, beside the relay's identity file), two sim
+// engines and their agents. Clients send streamed and non-streamed
 // requests; the ledger's totals (the admin API's usage report) must equal
 // what the clients saw in their answers' usage, to the token. A client with
 // a small daily budget is refused with insufficient_quota once it is used
 // up. The relay is SIGKILLed under load and started again: the totals
 // continue, the requests lost are at most those that finished in the last
-// flush intervals before the kill, and none is counted twice.
+// flush intervals before the kill, and none is counted twice; the binary's
+// own `computeflux usage` shows the totals.
 
 // usageSeen is the usage of answers as their clients saw it.
 type usageSeen struct {
@@ -81,7 +85,7 @@ func TestLedgerRealProcesses(t *testing.T) {
 	_, port, _ := net.SplitHostPort(p2pPort)
 	c := newCluster(clusterSpec{
 		Name: "ledger", Binary: binary, Dir: dir, Agents: 2,
-		RelayArgs: []string{"--clients-file", filepath.Join(dir, "clients.yaml"), "--ledger-file", filepath.Join(dir, "usage.db"),
+		RelayArgs: []string{"--clients-file", filepath.Join(dir, "clients.yaml"),
 			"--listen", httpAddr, "--p2p-listen", "/ip4/127.0.0.1/udp/" + port + "/quic-v1"},
 		EngineArgs: []string{"--time-scale", "50"},
 		AgentArgs:  []string{"--drain-timeout", "2s"},
@@ -90,6 +94,9 @@ func TestLedgerRealProcesses(t *testing.T) {
 	defer c.stop()
 	if err := c.start(); err != nil {
 		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "relay-usage.db")); err != nil {
+		t.Fatalf("no ledger file beside the identity %s: %v", filepath.Join(dir, "relay.key"), err)
 	}
 	hc := &http.Client{Timeout: 30 * time.Second}
 	defer hc.CloseIdleConnections()
@@ -267,6 +274,29 @@ func TestLedgerRealProcesses(t *testing.T) {
 	if final["bob"] != want {
 		t.Errorf("bob after the restart: ledger %+v, want %+v", final["bob"], want)
 	}
+
+	// What an operator reads: `computeflux usage` against the admin API.
+	out, err := exec.CommandContext(ctx, binary, "usage", "--admin-url", c.adminURL,
+		"--admin-key-file", filepath.Join(dir, "admin-key"), "--since", "24h", "--format", "csv").Output()
+	if err != nil {
+		t.Fatalf("computeflux usage: %v\n%s", err, out)
+	}
+	rows := map[string][]string{}
+	recs, err := csv.NewReader(bytes.NewReader(out)).ReadAll()
+	if err != nil || len(recs) < 2 {
+		t.Fatalf("computeflux usage printed %q: %v", out, err)
+	}
+	for _, r := range recs[1:] {
+		rows[r[0]] = r
+	}
+	for _, who := range []string{"alice", "bob"} {
+		u := final[who]
+		r := rows[who]
+		if len(r) < 6 || r[1] != fmt.Sprint(u.Requests) || r[2] != fmt.Sprint(u.PromptTokens) {
+			t.Errorf("computeflux usage row %v for %s, want %d requests and %d prompt tokens\n%s", r, who, u.Requests, u.PromptTokens, out)
+		}
+	}
+	t.Logf("computeflux usage after the SIGKILL and restart:\n%s", out)
 }
 
 // quotaError is a 429 insufficient_quota answer.
