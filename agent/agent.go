@@ -326,7 +326,7 @@ func (a *Agent) Engine() EngineInfo {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	e := a.engine
-	e.APIs = slices.Clone(e.APIs)
+	e.APIs, e.UnknownAPIs = slices.Clone(e.APIs), slices.Clone(e.UnknownAPIs)
 	return e
 }
 
@@ -354,10 +354,11 @@ func (a *Agent) Info() transport.JoinInfo {
 		Capacity: a.capacity(),
 		// An engine that does not answer makes the agent unavailable: the
 		// relay routes elsewhere instead of sending requests that fail.
-		Draining: a.draining.Load() || !a.engineOK,
-		APIs:     slices.Clone(a.engine.APIs),
-		Engine:   string(a.engine.Kind),
-		Relays:   a.cfg.relayAddrs(),
+		Draining:    a.draining.Load() || !a.engineOK,
+		APIs:        slices.Clone(a.engine.APIs),
+		UnknownAPIs: slices.Clone(a.engine.UnknownAPIs),
+		Engine:      string(a.engine.Kind),
+		Relays:      a.cfg.relayAddrs(),
 	}
 }
 
@@ -612,7 +613,7 @@ func (a *Agent) serveMembership(ctx context.Context, m *transport.Membership, l 
 
 func infoEqual(x, y transport.JoinInfo) bool {
 	return x.Name == y.Name && slices.Equal(x.Models, y.Models) && x.Weight == y.Weight &&
-		x.Capacity == y.Capacity && x.Draining == y.Draining && slices.Equal(x.APIs, y.APIs) &&
+		x.Capacity == y.Capacity && x.Draining == y.Draining && slices.Equal(x.APIs, y.APIs) && slices.Equal(x.UnknownAPIs, y.UnknownAPIs) &&
 		slices.Equal(x.Relays, y.Relays)
 }
 
@@ -726,11 +727,11 @@ func (a *Agent) refresh(ctx context.Context) {
 			a.log.Warn().Str("upstream", a.upstream.Redacted()).
 				Msg("engine not identified yet (no answer, or 502, 503 or 504, as while it loads its model): serving its OpenAI endpoints meanwhile; asking again")
 		case eng.Kind == EngineUnknown:
-			a.log.Warn().Str("upstream", a.upstream.Redacted()).Strs("apis", eng.APIs).
+			a.log.Warn().Str("upstream", a.upstream.Redacted()).Strs("apis", eng.APIs).Strs("apis_unknown", eng.UnknownAPIs).
 				Msg("engine not recognised (not vLLM, SGLang, TGI, llama.cpp or Ollama): serving its OpenAI endpoints and the optional APIs it answered for, no load figures")
 		default:
 			a.log.Info().Str("engine", string(eng.Kind)).Str("version", eng.Version).
-				Int("kv_capacity_tokens", eng.KVCapacityTokens).Strs("apis", eng.APIs).Str("evidence", eng.Evidence).
+				Int("kv_capacity_tokens", eng.KVCapacityTokens).Strs("apis", eng.APIs).Strs("apis_unknown", eng.UnknownAPIs).Str("evidence", eng.Evidence).
 				Msg("engine recognised: " + eng.describe())
 		}
 	}

@@ -11,6 +11,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/computeflux/computeflux/transport"
 )
 
 // EngineKind names an inference server the agent recognises.
@@ -50,8 +52,16 @@ type EngineInfo struct {
 	// engine serves, among optionalAPIs, found in its OpenAPI document or
 	// by asking for them.
 	APIs []string
+	// UnknownAPIs are the optional APIs whose support the engine's answers
+	// did not show either way: the agent forwards them, and the engine's
+	// first real answer moves each to APIs or drops it (learnAPI).
+	UnknownAPIs []string
 	// Evidence says what identified the engine, for the log.
 	Evidence string
+
+	// missing is the engine's answer to a route it does not have, from
+	// identification; the zero value when not learned.
+	missing probeAnswer
 }
 
 // optionalAPIs are the paths the agent forwards when the engine serves them.
@@ -304,43 +314,118 @@ func (p *engineProber) identify(ctx context.Context, ownedBy string) (info Engin
 			}
 		}
 	}
-	info.APIs = p.apis(ctx, info.Kind != EngineUnknown)
+	info.APIs, info.UnknownAPIs, info.missing = p.apis(ctx, info.Kind != EngineUnknown)
 	return info, load, !p.unsettled
 }
 
-// apis finds which optional APIs the engine serves: from its OpenAPI
-// document when it has one (vLLM and SGLang are FastAPI servers, TGI
-// publishes /api-doc/openapi.json, and so do many OpenAI-compatible
-// servers), else by asking each path. A recognised engine (llama.cpp,
-// Ollama, a vLLM started with --disable-fastapi-docs) is sent an empty
-// request, which it rejects: the route exists unless it answers 404 or
-// 405. An engine not recognised is asked as apisByRejection says.
-func (p *engineProber) apis(ctx context.Context, recognised bool) []string {
+// apis finds which optional APIs the engine serves (served), and those
+// whose support its answers did not show (unknown: the first real request
+// settles them, see learnAPI): from its OpenAPI document when it has one
+// (vLLM and SGLang are FastAPI servers, TGI publishes
+// /api-doc/openapi.json, and so do many OpenAI-compatible servers), else
+// by asking each path, and a path no engine serves to compare with
+// (noSuchAPI). A recognised engine (llama.cpp, Ollama, a vLLM started with
+// --disable-fastapi-docs) is sent an empty request, which no engine
+// generates for: routeShown reads the answer. An engine not recognised is
+// asked as apisByRejection says. missing is the answer the engine gives a
+// route it does not have, to read real answers by (classifyAnswer).
+func (p *engineProber) apis(ctx context.Context, recognised bool) (served, unknown []string, missing probeAnswer) {
 	for _, doc := range []string{"/openapi.json", "/api-doc/openapi.json"} {
 		b, ok := p.get(ctx, doc)
 		if !ok {
 			continue
 		}
 		if paths, ok := ParseOpenAPIPaths(b); ok {
-			var out []string
 			for _, a := range optionalAPIs {
 				if slices.Contains(paths, a) {
-					out = append(out, a)
+					served = append(served, a)
 				}
 			}
-			return out
+			return served, nil, probeAnswer{}
 		}
 	}
 	if !recognised {
 		return p.apisByRejection(ctx)
 	}
-	var out []string
+	missing = p.probe(ctx, noSuchAPI, []byte("{}"))
 	for _, a := range optionalAPIs {
-		if _, ok := p.do(ctx, http.MethodPost, a, []byte("{}")); ok {
-			out = append(out, a)
+		switch routeShown(p.probe(ctx, a, []byte("{}")), missing) {
+		case routeServed:
+			served = append(served, a)
+		case routeUnknown:
+			unknown = append(unknown, a)
 		}
 	}
-	return out
+	return served, unknown, missing
+}
+
+// probeAnswer is an engine's answer to a probe: its status (0 for none)
+// and its body with the path asked replaced by pathMark, so that the
+// answers of two missing routes compare equal ("no route POST /v1/x").
+type probeAnswer struct {
+	status int
+	body   string
+}
+
+// pathMark stands for the probed path in a probeAnswer's body.
+const pathMark = "\x00path\x00"
+
+// maxAnswerBody bounds what is kept of a probe's answer.
+const maxAnswerBody = 4 << 10
+
+// probe POSTs body to path and returns the answer.
+func (p *engineProber) probe(ctx context.Context, path string, body []byte) probeAnswer {
+	status, b := p.ask(ctx, http.MethodPost, path, body)
+	if transientStatus(status) {
+		status = 0
+	}
+	return answerOf(path, status, b)
+}
+
+// answerOf is the probeAnswer of an answer to path.
+func answerOf(path string, status int, b []byte) probeAnswer {
+	b = b[:min(len(b), maxAnswerBody)]
+	return probeAnswer{status: status, body: strings.ReplaceAll(string(bytes.TrimSpace(b)), path, pathMark)}
+}
+
+// What an answer shows of a route.
+type routeVerdict int
+
+const (
+	routeUnknown routeVerdict = iota // the answer does not tell
+	routeServed                      // the engine routes the path
+	routeMissing                     // it has no such route
+)
+
+// routeShown reads an engine's answer a to an empty request ({}) for a
+// path, with missing its answer for a path no engine serves. A route that
+// exists rejects the request (400, 422, 500) or, as vLLM does for a
+// request that names no model it serves, answers 404 with a body about the
+// model; one that does not answers 404 or 405 the way it answers for any
+// unknown path. A 404 that is neither tells nothing.
+func routeShown(a, missing probeAnswer) routeVerdict {
+	switch {
+	case a.status == 0:
+		return routeUnknown
+	case a.status != http.StatusNotFound && a.status != http.StatusMethodNotAllowed:
+		return routeServed
+	case a == missing:
+		return routeMissing
+	case mentionsModel(a.body):
+		return routeServed
+	case missing.status == 0 || missing.status != a.status:
+		return routeUnknown
+	}
+	// Both 404 (or 405), unlike bodies, no word of a model: an engine
+	// whose not-found page is not the same for every path (a request id
+	// in it, say). The real answer will tell.
+	return routeUnknown
+}
+
+// mentionsModel reports whether an error body speaks of a model: vLLM's
+// "The model “ does not exist.", a "model_not_found" code.
+func mentionsModel(body string) bool {
+	return strings.Contains(strings.ToLower(body), "model")
 }
 
 // notJSON is the body an engine not recognised is probed with: it is not
@@ -350,30 +435,60 @@ var notJSON = []byte(`{"model":`)
 
 // noSuchAPI is a path no engine serves, asked to tell an engine that
 // reads bodies before it routes (every path a 400) from one that has the
-// routes asked about.
+// routes asked about, and to learn what the engine answers for a route it
+// lacks.
 const noSuchAPI = "/v1/computeflux-no-such-api"
 
 // apisByRejection finds the optional APIs of an engine not recognised by
 // sending each path a body that is not JSON: a route that exists rejects
 // it as a bad request (400 or 422); one that does not answers 404 or 405,
-// or what some servers answer for an unknown route (LM Studio: 200 with an
-// error). If a path no engine serves is rejected the same way, the engine
-// checks bodies before routes and its answers show nothing: it gets none.
-func (p *engineProber) apisByRejection(ctx context.Context) []string {
-	rejects := func(path string) bool {
-		status, _ := p.ask(ctx, http.MethodPost, path, notJSON)
-		return status == http.StatusBadRequest || status == http.StatusUnprocessableEntity
+// or what the engine answers a path no engine serves (LM Studio: 200 with
+// an error). If that path is rejected as a bad request too, the engine
+// checks bodies before routes and its answers show nothing: every path is
+// unknown, for the first real request to settle.
+func (p *engineProber) apisByRejection(ctx context.Context) (served, unknown []string, missing probeAnswer) {
+	rejects := func(a probeAnswer) bool {
+		return a.status == http.StatusBadRequest || a.status == http.StatusUnprocessableEntity
 	}
-	var out []string
-	for _, a := range optionalAPIs {
-		if rejects(a) {
-			out = append(out, a)
+	missing = p.probe(ctx, noSuchAPI, notJSON)
+	for _, path := range optionalAPIs {
+		a := p.probe(ctx, path, notJSON)
+		switch {
+		case rejects(missing) || a.status == 0:
+			unknown = append(unknown, path)
+		case rejects(a):
+			served = append(served, path)
+		case a == missing, a.status == http.StatusNotFound, a.status == http.StatusMethodNotAllowed:
+		default:
+			unknown = append(unknown, path)
 		}
 	}
-	if len(out) > 0 && rejects(noSuchAPI) {
-		return nil
+	if rejects(missing) {
+		missing = probeAnswer{}
 	}
-	return out
+	return served, unknown, missing
+}
+
+// classifyAnswer reads the engine's answer (status, the first bytes of
+// its body) to a real request for path, an optional API whose support was
+// unknown: a success or a rejection of the request shows the route; a 404
+// or 405 that is the engine's answer for a missing route (missing, from
+// identification), or one that does not speak of a model, shows none.
+func classifyAnswer(path string, status int, body []byte, missing probeAnswer) routeVerdict {
+	switch {
+	case status == 0 || transientStatus(status) || status == http.StatusTooManyRequests:
+		return routeUnknown
+	case status != http.StatusNotFound && status != http.StatusMethodNotAllowed:
+		return routeServed
+	}
+	a := answerOf(path, status, body)
+	if missing.status != 0 && a == missing {
+		return routeMissing
+	}
+	if mentionsModel(a.body) {
+		return routeUnknown // the route may be there, the model not (yet)
+	}
+	return routeMissing
 }
 
 // ParseOpenAPIPaths returns the paths of an OpenAPI document.
@@ -538,7 +653,7 @@ func ParseOllamaPS(b []byte) (OllamaPS, bool) {
 // equal reports whether e and o say the same of an engine.
 func (e EngineInfo) equal(o EngineInfo) bool {
 	return e.Kind == o.Kind && e.Version == o.Version && e.KVCapacityTokens == o.KVCapacityTokens &&
-		e.Evidence == o.Evidence && slices.Equal(e.APIs, o.APIs)
+		e.Evidence == o.Evidence && slices.Equal(e.APIs, o.APIs) && slices.Equal(e.UnknownAPIs, o.UnknownAPIs)
 }
 
 // orKnown returns e, an identification cut short (a probe unanswered, or
@@ -563,8 +678,8 @@ func (e EngineInfo) orKnown(prev EngineInfo) EngineInfo {
 	if e.Batch == 0 {
 		e.Batch = prev.Batch
 	}
-	if len(e.APIs) == 0 {
-		e.APIs = prev.APIs
+	if len(e.APIs) == 0 && len(e.UnknownAPIs) == 0 {
+		e.APIs, e.UnknownAPIs, e.missing = prev.APIs, prev.UnknownAPIs, prev.missing
 	}
 	return e
 }
@@ -630,34 +745,85 @@ func (a *Agent) scrapeLoad(ctx context.Context, eng EngineInfo, fresh bool) (Eng
 }
 
 // optionalRoute returns the method path takes when it belongs to an
-// optional API the engine serves: POST for the API itself; for a stored
-// response (/v1/responses/{id}) GET or DELETE, as asked; POST for its
-// /cancel and GET for its /input_items.
-func (a *Agent) optionalRoute(path, method string) (string, bool) {
+// optional API the engine serves, or may serve (unknown: its support is
+// still to be learned from the answer): POST for the API itself; for a
+// stored response (/v1/responses/{id}) GET or DELETE, as asked; POST for
+// its /cancel and GET for its /input_items.
+func (a *Agent) optionalRoute(path, method string) (m string, unknown, ok bool) {
 	a.mu.Lock()
-	apis := a.engine.APIs
+	apis, maybe := a.engine.APIs, a.engine.UnknownAPIs
 	a.mu.Unlock()
 	if slices.Contains(apis, path) {
-		return http.MethodPost, true
+		return http.MethodPost, false, true
+	}
+	if slices.Contains(maybe, path) {
+		return http.MethodPost, true, true
 	}
 	rest, ok := strings.CutPrefix(path, "/v1/responses/")
 	if !ok || !slices.Contains(apis, "/v1/responses") {
-		return "", false
+		return "", false, false
 	}
 	id, sub, _ := strings.Cut(rest, "/")
 	if id == "" || strings.ContainsAny(id, "./") {
-		return "", false
+		return "", false, false
 	}
 	switch sub {
 	case "":
 		if method == http.MethodDelete {
-			return http.MethodDelete, true
+			return http.MethodDelete, false, true
 		}
-		return http.MethodGet, true
+		return http.MethodGet, false, true
 	case "cancel":
-		return http.MethodPost, true
+		return http.MethodPost, false, true
 	case "input_items":
-		return http.MethodGet, true
+		return http.MethodGet, false, true
 	}
-	return "", false
+	return "", false, false
+}
+
+// settleAPI learns from res, the engine's answer to a request for path
+// (an optional API whose support was unknown), whether the engine serves
+// it. A missing route is marked on the answer (transport.HeaderAPIMissing)
+// for the relay, which tries elsewhere. The answer's first bytes read to
+// tell are put back in front of its body.
+func (a *Agent) settleAPI(w http.ResponseWriter, path string, res *http.Response) {
+	var head []byte
+	if res.StatusCode == http.StatusNotFound || res.StatusCode == http.StatusMethodNotAllowed {
+		head, _ = io.ReadAll(io.LimitReader(res.Body, maxAnswerBody))
+		res.Body = struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(head), res.Body), res.Body}
+	}
+	a.mu.Lock()
+	missing := a.engine.missing
+	a.mu.Unlock()
+	v := classifyAnswer(path, res.StatusCode, head, missing)
+	if v == routeUnknown {
+		return
+	}
+	if v == routeMissing {
+		w.Header().Set(transport.HeaderAPIMissing, path)
+	}
+	a.learnAPI(path, v == routeServed)
+}
+
+// learnAPI settles an optional API whose support was unknown: it moves to
+// the engine's APIs (served) or goes, and the relays hear of it.
+func (a *Agent) learnAPI(path string, served bool) {
+	a.mu.Lock()
+	i := slices.Index(a.engine.UnknownAPIs, path)
+	if i < 0 {
+		a.mu.Unlock()
+		return // settled already, by another request
+	}
+	a.engine.UnknownAPIs = slices.Delete(slices.Clone(a.engine.UnknownAPIs), i, i+1)
+	if served {
+		apis := append(slices.Clone(a.engine.APIs), path)
+		slices.SortFunc(apis, func(x, y string) int { return slices.Index(optionalAPIs, x) - slices.Index(optionalAPIs, y) })
+		a.engine.APIs = apis
+	}
+	a.mu.Unlock()
+	a.log.Info().Str("api", path).Bool("served", served).Msg("learned from the engine's first answer whether it serves an optional API")
+	a.notify()
 }

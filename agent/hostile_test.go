@@ -98,7 +98,7 @@ func TestAgentRefusesProxyForms(t *testing.T) {
 		switch p {
 		case "/v1/models", "/metrics", "/v1/chat/completions":
 		case "/api/version", "/props", "/slots", "/info", "/get_server_info", "/server_info", "/version",
-			"/openapi.json", "/api-doc/openapi.json", "/v1/responses", "/v1/messages":
+			"/openapi.json", "/api-doc/openapi.json", "/v1/responses", "/v1/messages", noSuchAPI:
 			// The agent's own identification of its engine (engine.go).
 		default:
 			t.Errorf("engine received %q", p)

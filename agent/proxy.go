@@ -73,7 +73,7 @@ func (b *bufferPool) put(buf *[]byte) { b.p.Put(buf) }
 
 // forward sends r to the engine and copies its answer to w; st is the
 // request's prefix state (nil when not indexed).
-func (a *Agent) forward(w http.ResponseWriter, r *http.Request, st *servedReq) {
+func (a *Agent) forward(w http.ResponseWriter, r *http.Request, st *servedReq, unknownAPI bool) {
 	ctx := r.Context()
 	out := (&http.Request{
 		Method:     r.Method,
@@ -102,6 +102,9 @@ func (a *Agent) forward(w http.ResponseWriter, r *http.Request, st *servedReq) {
 		a.kickRefresh() // is the engine down? then drain until it answers
 		writeError(w, http.StatusBadGateway, "engine_unreachable", "the agent could not reach its engine")
 		return
+	}
+	if unknownAPI {
+		a.settleAPI(w, r.URL.Path, res) // engine.go
 	}
 	sse := isEventStream(res.Header.Get("Content-Type"))
 	a.observeResponse(res, st, sse) // prefix index (usage.go)
@@ -268,8 +271,9 @@ func (a *Agent) ServeHTTPBody(w http.ResponseWriter, r *http.Request, body []byt
 // serve serves r; body is its body when read already (non-nil), else nil.
 func (a *Agent) serve(w http.ResponseWriter, r *http.Request, body []byte) {
 	method, ok := servedPaths[r.URL.Path]
+	unknownAPI := false
 	if !ok {
-		method, ok = a.optionalRoute(r.URL.Path, r.Method) // engine.go
+		method, unknownAPI, ok = a.optionalRoute(r.URL.Path, r.Method) // engine.go
 	}
 	if !ok || r.URL.RawPath != "" {
 		writeError(w, http.StatusNotFound, "not_found", "this agent serves only the OpenAI inference endpoints")
@@ -308,7 +312,7 @@ func (a *Agent) serve(w http.ResponseWriter, r *http.Request, body []byte) {
 	if method == http.MethodPost && r.URL.Path != "/v1/embeddings" {
 		st = a.indexRequest(r, body) // prefix index (usage.go)
 	}
-	a.forward(w, r, st)
+	a.forward(w, r, st, unknownAPI)
 }
 
 // writeError answers in OpenAI's error shape.

@@ -100,6 +100,14 @@ func (r *Relay) attempt(p *proxied, c scheduler.Choice) attemptResult {
 	if cls := scheduler.Classify(resp.StatusCode, nil); cls.Retryable() {
 		return x.refused(resp)
 	}
+	if resp.Header.Get(transport.HeaderAPIMissing) != "" && tgt.peer != "" &&
+		(resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed) {
+		// The agent's engine turned out not to serve this API: another
+		// agent's may. Not the agent's fault, and nothing went out yet.
+		_, _ = io.CopyN(io.Discard, resp.Body, 4<<10)
+		return attemptResult{outcome: scheduler.Outcome{Status: resp.StatusCode}, apiMissing: true,
+			err: fmt.Errorf("%s: its engine does not serve %s", x.c.EndpointID, p.path)}
+	}
 
 	bp := bufPool.Get().(*[]byte)
 	defer bufPool.Put(bp)

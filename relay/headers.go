@@ -16,7 +16,7 @@ import (
 // the relay operator's, not the client's.
 var withheldHeaders = map[string]bool{
 	http.CanonicalHeaderKey(HeaderAgent): true, http.CanonicalHeaderKey(HeaderAffinity): true,
-	http.CanonicalHeaderKey(transport.HeaderUsage): true,
+	http.CanonicalHeaderKey(transport.HeaderUsage): true, http.CanonicalHeaderKey(transport.HeaderAPIMissing): true,
 	"Set-Cookie": true, "Openai-Organization": true, "Openai-Project": true,
 }
 

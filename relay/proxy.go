@@ -75,6 +75,9 @@ type proxied struct {
 	// queued is set while an attempt holds a slot in the fair queue's
 	// accounting (pick took it; finish gives it back).
 	queued bool
+	// lacking are the agents whose engines turned out, in this request,
+	// not to serve its optional API (responses.go, allowServing).
+	lacking []string
 }
 
 // release gives back what prepare took.
@@ -97,6 +100,7 @@ type attemptResult struct {
 	err         error         // why the attempt failed, or the stream broke
 	rateLimited bool          // the endpoint answered 429
 	retryAfter  time.Duration // from the endpoint's Retry-After
+	apiMissing  bool          // the agent's engine lacks the optional API asked for
 }
 
 // serveProxied serves one request through the stages above and writes its
@@ -196,7 +200,7 @@ func (r *Relay) prepareInference(p *proxied) error {
 	p.blocks = r.promptBlocks(body) // prefix.go; release gives them back
 	sr := scheduler.Request{Model: rt.model, SessionKey: p.session, Prefix: *p.blocks, Wait: r.queue != nil}
 	p.rl.flow = flowFor(p.req, p.rl.client, rt, len(body))
-	if p.w, err = r.routeAPI(p.w, p.req, rt, &sr); err != nil { // responses.go
+	if p.w, err = r.routeAPI(p, rt, &sr); err != nil { // responses.go
 		return err
 	}
 	if r.audits != nil && (p.path == pathChat || p.path == pathCompletions) {
@@ -254,11 +258,15 @@ type failureTally struct {
 	last           error
 	allRateLimited bool
 	retryAfter     time.Duration
+	apiMissing     int // attempts whose agent's engine lacked the API
 }
 
 func (f *failureTally) add(res *attemptResult) {
 	f.n++
 	f.last = res.err
+	if res.apiMissing {
+		f.apiMissing++
+	}
 	if res.rateLimited {
 		f.retryAfter = max(f.retryAfter, res.retryAfter)
 	} else {
@@ -280,6 +288,9 @@ func (r *Relay) proxy(p *proxied) error {
 		}
 		if err != nil {
 			rl.agent, rl.affinity = "", "" // no endpoint served the request
+			if f.n > 0 && f.apiMissing == f.n {
+				return errAPINotServed(p.path) // every engine tried lacked it
+			}
 			return r.pickError(err, rl.model, &f)
 		}
 		if n > 0 {
@@ -300,6 +311,9 @@ func (r *Relay) proxy(p *proxied) error {
 		}
 		if p.req.Context().Err() != nil {
 			return errClientGone
+		}
+		if res.apiMissing {
+			p.lacking = append(p.lacking, c.EndpointID)
 		}
 		f.add(&res)
 	}
@@ -348,6 +362,10 @@ func (r *Relay) finish(p *proxied, c scheduler.Choice, n int, res *attemptResult
 		r.audits.Answered(&x)
 	}
 	if res.committed || p.req.Context().Err() != nil {
+		return
+	}
+	if res.apiMissing {
+		r.log.Debug().Str("agent", c.EndpointID).Str("path", p.path).Msg("agent's engine turned out not to serve the API; trying another")
 		return
 	}
 	r.metrics.failureCounter(c.EndpointID).Inc()

@@ -511,7 +511,7 @@ func (g *Registry) reapply() {
 
 func cloneInfo(info transport.JoinInfo) transport.JoinInfo {
 	info.Models = slices.Clone(info.Models)
-	info.APIs = slices.Clone(info.APIs)
+	info.APIs, info.UnknownAPIs = slices.Clone(info.APIs), slices.Clone(info.UnknownAPIs)
 	info.Relays = slices.Clone(info.Relays)
 	return info
 }

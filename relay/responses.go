@@ -21,7 +21,10 @@ import (
 // and the Anthropic-style /v1/messages are routed like chat, with two
 // additions:
 //   - only agents whose engine lists the path (transport.JoinInfo.APIs) may
-//     serve it;
+//     serve it; while none does, agents whose engine's support is unknown
+//     (JoinInfo.UnknownAPIs) are tried, and one whose engine turns out to
+//     lack the path (transport.HeaderAPIMissing on its answer) is left for
+//     the next (its agent tells the relay too, in its next update);
 //   - previous_response_id is a hard affinity: the engine that produced a
 //     response stores it, so the relay remembers which agent answered each
 //     response id and sends the follow-up (and GET, DELETE) there and only
@@ -115,19 +118,33 @@ func (s *responseStore) removeLocked(el *list.Element) {
 }
 
 // agentsServing returns the names of the joined agents whose engines list
-// path. The set is taken under the registry's lock and then used by the
+// path, and of those whose engines may serve it (their support unknown).
+// The sets are taken under the registry's lock and then used by the
 // scheduler's Allow without it (the registry calls the scheduler under its
 // lock, never the other way round).
-func (g *Registry) agentsServing(path string) map[string]bool {
+func (g *Registry) agentsServing(path string) (serving, maybe map[string]bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	set := make(map[string]bool)
+	serving, maybe = make(map[string]bool), make(map[string]bool)
 	for name, e := range g.byName {
-		if slices.Contains(e.info.APIs, path) {
-			set[name] = true
+		switch {
+		case slices.Contains(e.info.APIs, path):
+			serving[name] = true
+		case slices.Contains(e.info.UnknownAPIs, path):
+			maybe[name] = true
 		}
 	}
-	return set
+	return serving, maybe
+}
+
+// allowServing is the scheduler's Allow for a request to an optional API:
+// the agents whose engines serve it, or, while there are none, those whose
+// engines may, less any that turned out to lack it in this request.
+func allowServing(p *proxied, serving, maybe map[string]bool) func(string) bool {
+	if len(serving) == 0 {
+		serving = maybe
+	}
+	return func(id string) bool { return serving[id] && !slices.Contains(p.lacking, id) }
 }
 
 // errResponseNotFound is OpenAI's answer for a response id it does not hold.
@@ -153,17 +170,17 @@ func errAPINotServed(path string) *Error {
 // returns the writer the attempt writes through. For chat, completions and
 // embeddings it changes nothing. The Responses fields come from the same
 // pass over the body as the other routing fields (parseRouting).
-func (r *Relay) routeAPI(w http.ResponseWriter, req *http.Request, rt routing, sr *scheduler.Request) (http.ResponseWriter, error) {
-	path := req.URL.Path
+func (r *Relay) routeAPI(p *proxied, rt routing, sr *scheduler.Request) (http.ResponseWriter, error) {
+	w, path := p.w, p.req.URL.Path
 	if path != pathResponses && path != pathMessages {
 		return w, nil
 	}
-	serving := r.reg.agentsServing(path)
+	serving, maybe := r.reg.agentsServing(path)
 	if path == pathMessages {
-		if len(serving) == 0 {
+		if len(serving) == 0 && len(maybe) == 0 {
 			return nil, errAPINotServed(path)
 		}
-		sr.Allow = func(id string) bool { return serving[id] }
+		sr.Allow = allowServing(p, serving, maybe)
 		return w, nil
 	}
 	store := string(rt.store) != "false"
@@ -179,10 +196,10 @@ func (r *Relay) routeAPI(w http.ResponseWriter, req *http.Request, rt routing, s
 		}
 		sr.Allow = func(id string) bool { return id == e.agent }
 	} else {
-		if len(serving) == 0 {
+		if len(serving) == 0 && len(maybe) == 0 {
 			return nil, errAPINotServed(path)
 		}
-		sr.Allow = func(id string) bool { return serving[id] }
+		sr.Allow = allowServing(p, serving, maybe)
 	}
 	if !store {
 		return w, nil

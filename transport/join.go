@@ -83,6 +83,12 @@ type JoinInfo struct {
 	// that the agent's engine serves (e.g. /v1/responses, /v1/messages);
 	// the relay routes those paths only to agents that list them.
 	APIs []string `json:"apis,omitempty"`
+	// UnknownAPIs are optional paths whose support the engine's answers to
+	// the agent's probes did not show either way. The agent forwards them
+	// and learns from the engine's first real answer (then the path moves
+	// to APIs or goes); a relay may try an agent listing one when no agent
+	// lists the path in APIs.
+	UnknownAPIs []string `json:"apis_unknown,omitempty"`
 	// Engine is the kind of engine the agent recognised ("vllm",
 	// "llamacpp", ...; empty when not recognised). Audits compare sampled
 	// answers only between engines of one kind.
@@ -511,10 +517,10 @@ func validateInfo(info JoinInfo) error {
 			return fmt.Errorf("join info: model IDs must be 1..%d bytes of UTF-8", maxModelLen)
 		}
 	}
-	if len(info.APIs) > maxAPIs {
-		return fmt.Errorf("join info: %d APIs exceed %d", len(info.APIs), maxAPIs)
+	if len(info.APIs)+len(info.UnknownAPIs) > maxAPIs {
+		return fmt.Errorf("join info: %d APIs exceed %d", len(info.APIs)+len(info.UnknownAPIs), maxAPIs)
 	}
-	for _, a := range info.APIs {
+	for _, a := range append(info.APIs[:len(info.APIs):len(info.APIs)], info.UnknownAPIs...) {
 		if len(a) < 2 || len(a) > maxModelLen || a[0] != '/' || !utf8.ValidString(a) {
 			return fmt.Errorf("join info: API paths must be 2..%d bytes starting with '/'", maxModelLen)
 		}

@@ -16,3 +16,10 @@ const (
 	// client.
 	UsageAdded = "added"
 )
+
+// HeaderAPIMissing is set by an agent on its answer to a request for an
+// optional API (JoinInfo.UnknownAPIs) that its engine turned out not to
+// serve: the engine's own 404 or 405, read as a missing route. The relay
+// then tries another endpoint, as for an agent that never listed the
+// path; the agent's next update drops it from UnknownAPIs.
+const HeaderAPIMissing = "X-Computeflux-Api-Missing"
