@@ -50,6 +50,9 @@ var (
 type exchange struct {
 	r      *Relay
 	c      scheduler.Choice
+	path   string              // the upstream path
+	w      http.ResponseWriter // what the answer is written to
+	tr     *messagesWriter     // a translated Messages attempt's translation; nil for none
 	ctx    context.Context // the attempt's context: the client's, cancelled with a cause
 	cancel context.CancelCauseFunc
 	fl     *flight // liveness of an agent's attempt; nil for providers
@@ -61,11 +64,21 @@ type exchange struct {
 // the answer to the client. It reports nothing: its result carries the
 // outcome.
 func (r *Relay) attempt(p *proxied, c scheduler.Choice) attemptResult {
-	tgt, ok := r.target(c, p.path)
+	x := exchange{r: r, c: c, path: p.path, w: p.w}
+	p.translated = false
+	if p.msg != nil && !r.reg.lists(c.EndpointID, pathMessages) {
+		// An engine without the Messages API gets the chat request it
+		// means (messages.go), a tap in front of the translation.
+		x.path, x.tr, p.translated = pathChat, newMessagesWriter(p.w, p.msg.model), true
+		x.w = x.tr
+		if p.tap != nil {
+			p.tap.ResponseWriter, x.w = x.tr, p.tap
+		}
+	}
+	tgt, ok := r.target(c, x.path)
 	if !ok {
 		return attemptResult{outcome: scheduler.Outcome{Err: ErrAgentGone}, err: fmt.Errorf("%s: %w", c.EndpointID, ErrAgentGone)}
 	}
-	x := exchange{r: r, c: c}
 	x.ctx, x.cancel = context.WithCancelCause(p.req.Context())
 	defer x.cancel(nil)
 	upCtx := x.ctx
@@ -136,9 +149,12 @@ func (x *exchange) request(p *proxied, ctx context.Context, tgt target) (*http.R
 	// Parsing the target's URL string on every attempt was a visible cost
 	// on a busy relay: the request is built with an empty URL (parsed for
 	// free) and given the target's, already built.
-	body := p.body
-	if tgt.peer != "" && p.agentBody != nil {
-		body = p.agentBody // forward.go
+	body, agentBody := p.body, p.agentBody
+	if x.tr != nil {
+		body, agentBody = p.msg.chat, p.msg.agentChat
+	}
+	if tgt.peer != "" && agentBody != nil {
+		body = agentBody // forward.go
 	}
 	up, err := http.NewRequestWithContext(ctx, p.method, "", bytes.NewReader(body))
 	if err != nil {
@@ -248,7 +264,7 @@ func (x *exchange) firstByte(p *proxied, resp *http.Response, buf []byte) (hd he
 // commit sends the answer's status and headers to the client, with the
 // routing headers, and returns the copier of its body.
 func (x *exchange) commit(p *proxied, resp *http.Response, sse bool) streamCopier {
-	w := p.w
+	w := x.w
 	copyResponseHeaders(w.Header(), resp.Header, x.c) // headers.go
 	h := w.Header()
 	if sse {
@@ -290,6 +306,9 @@ func (x *exchange) copy(p *proxied, resp *http.Response, cp *streamCopier, hd he
 	x.wd.stop() // the body is read: what follows are writes, bounded by their deadline
 	if werr == nil && ferr == nil && rerr == io.EOF {
 		werr, ferr = cp.endUpstream()
+		if x.tr != nil && werr == nil && ferr == nil {
+			werr = x.tr.end() // the translated answer's last part
+		}
 	}
 	if ferr != nil && werr == nil {
 		x.cancel(ErrBadUpstream)
@@ -324,6 +343,9 @@ func (x *exchange) copy(p *proxied, resp *http.Response, cp *streamCopier, hd he
 		msg, code = "The agent stopped answering", "upstream_unreachable"
 	case errors.Is(cause, ErrBadUpstream):
 		msg, code = "The agent sent a malformed event", "upstream_invalid"
+	}
+	if x.tr != nil {
+		x.tr.passRaw() // the event is in the Messages API's shape already
 	}
 	_ = cp.writeEvent(streamErrorEventFor(p.path, msg, code))
 	return res

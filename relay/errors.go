@@ -52,7 +52,7 @@ func errBadRequest(code, msg string, err error) *Error {
 
 func errUnauthorized() *Error {
 	return &Error{Status: http.StatusUnauthorized, Type: "invalid_request_error", Code: "invalid_api_key",
-		Message: "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'."}
+		Message: "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY' (or 'x-api-key: KEY')."}
 }
 
 func errNotFound(path string) *Error {
@@ -103,6 +103,21 @@ func asError(err error) *Error {
 // writeError is the one place that turns an error into OpenAI's error JSON
 // and an HTTP status.
 func writeError(w http.ResponseWriter, err error) *Error {
+	return writeErrorAs(w, err, errorJSON)
+}
+
+// writeErrorFor is writeError in the error shape of path's API: Anthropic's
+// for the Messages API, OpenAI's for the rest.
+func writeErrorFor(path string, w http.ResponseWriter, err error) *Error {
+	if path == pathMessages {
+		return writeErrorAs(w, err, anthropicErrorJSON) // messages.go
+	}
+	return writeErrorAs(w, err, errorJSON)
+}
+
+// writeErrorAs writes err's status and headers, and its body as shape
+// says.
+func writeErrorAs(w http.ResponseWriter, err error, shape func(*Error) []byte) *Error {
 	e := asError(err)
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
@@ -115,7 +130,7 @@ func writeError(w http.ResponseWriter, err error) *Error {
 		h.Set("Allow", e.Allow)
 	}
 	w.WriteHeader(e.Status)
-	_, _ = w.Write(append(errorJSON(e), '\n'))
+	_, _ = w.Write(append(shape(e), '\n'))
 	return e
 }
 

@@ -86,8 +86,9 @@ func TestGenericEngineServesResponses(t *testing.T) {
 	if n := g.generated.Load(); n != 1 {
 		t.Fatalf("the engine generated %d times for one request", n)
 	}
-	// An API the engine does not serve is still refused at the relay.
-	if resp, b := postJSON(t, rl.url+"/v1/messages", `{"model":"m1","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != http.StatusNotFound {
+	// The Messages API, which the engine lacks, is translated to chat.
+	if resp, b := postJSON(t, rl.url+"/v1/messages", `{"model":"m1","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != http.StatusOK ||
+		!strings.Contains(string(b), `"type":"message"`) || !strings.Contains(string(b), `"text":"hello"`) {
 		t.Fatalf("/v1/messages: status %d: %s", resp.StatusCode, b)
 	}
 }

@@ -63,7 +63,7 @@ func (r *Relay) serveHTTP(w http.ResponseWriter, req *http.Request) {
 	switch req.URL.Path {
 	case "/v1/chat/completions", "/v1/completions", "/v1/embeddings", pathResponses, pathMessages:
 		if req.Method != http.MethodPost {
-			writeError(w, errMethod(req.Method, "POST"))
+			writeErrorFor(req.URL.Path, w, errMethod(req.Method, "POST"))
 			return
 		}
 		r.serveProxied(w, req, "", req.URL.Path, "") // proxy.go

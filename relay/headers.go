@@ -51,6 +51,8 @@ var forwardedHeaders = [...]struct{ canon, wire string }{
 	{"Accept", "Accept"},
 	{"Openai-Beta", "OpenAI-Beta"},
 	{"X-Request-Id", "X-Request-ID"},
+	{"Anthropic-Version", "anthropic-version"}, // for engines that serve /v1/messages
+	{"Anthropic-Beta", "anthropic-beta"},
 	{headerSessionCanon, HeaderSession},
 }
 

@@ -55,13 +55,18 @@ func newKeyLimits(rpm, conc int, clock scheduler.Clock) *keyLimits {
 		keys: make(map[[sha256.Size]byte]*keyState)}
 }
 
-// keyID names the budget a request draws on: the digest of its bearer key,
-// or the zero digest for every client when auth is off.
+// keyID names the budget a request draws on: the digest of its bearer key
+// (or, without an Authorization header, of its x-api-key, as Anthropic's
+// SDKs send it), or the zero digest for every client when auth is off.
 func keyID(r *http.Request, noAuth bool) [sha256.Size]byte {
 	if noAuth {
 		return [sha256.Size]byte{}
 	}
 	h := r.Header.Get("Authorization")
+	if h == "" {
+		// Anthropic's SDKs send the key as x-api-key.
+		h = r.Header.Get("X-Api-Key")
+	}
 	const prefix = "bearer "
 	if len(h) > len(prefix) && strings.EqualFold(h[:len(prefix)], prefix) {
 		h = strings.TrimSpace(h[len(prefix):])

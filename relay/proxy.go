@@ -78,6 +78,10 @@ type proxied struct {
 	// lacking are the agents whose engines turned out, in this request,
 	// not to serve its optional API (responses.go, allowServing).
 	lacking []string
+	// msg is a Messages request's translation (messages.go); nil for the
+	// other APIs. translated is set while the attempt is translated.
+	msg        *messagesReq
+	translated bool
 }
 
 // release gives back what prepare took.
@@ -120,7 +124,7 @@ func (r *Relay) serveProxied(w http.ResponseWriter, req *http.Request, method, p
 	case errors.Is(err, errClientGone):
 		rl.status = statusClientClosed
 	default:
-		e := writeError(w, err)
+		e := writeErrorFor(path, w, err)
 		rl.status = e.Status
 	}
 	if rl.err == nil && err != nil && !errors.Is(err, errAbort) {
@@ -187,17 +191,24 @@ func (r *Relay) prepareInference(p *proxied) error {
 	if err != nil {
 		return err
 	}
-	rt, err := parseRouting(body)
+	p.method, p.path, p.body = http.MethodPost, p.req.URL.Path, body
+	routed := body // what routing reads: a Messages request as the chat request it means
+	if p.path == pathMessages {
+		if p.msg, err = messagesToChat(body); err != nil { // messages.go
+			return err
+		}
+		routed = p.msg.chat
+	}
+	rt, err := parseRouting(routed)
 	if err != nil {
 		return err
 	}
-	p.method, p.path, p.body = http.MethodPost, p.req.URL.Path, body
 	p.session = sessionKey(p.req, rt)
 	p.rl.model, p.rl.stream, p.rl.session = rt.model, rt.stream, p.session != ""
 
 	// peers.go: a relay that has just started may wait for its peers' table.
 	r.installBinding(p.req.Context(), p.session)
-	p.blocks = r.promptBlocks(body) // prefix.go; release gives them back
+	p.blocks = r.promptBlocks(routed) // prefix.go; release gives them back
 	sr := scheduler.Request{Model: rt.model, SessionKey: p.session, Prefix: *p.blocks, Wait: r.queue != nil}
 	p.rl.flow = flowFor(p.req, p.rl.client, rt, len(body))
 	if p.w, err = r.routeAPI(p, rt, &sr); err != nil { // responses.go
@@ -207,13 +218,20 @@ func (r *Relay) prepareInference(p *proxied) error {
 		// Agents get the relay's seed and pseudonyms (forward.go).
 		p.agentBody = forwardBody(body, relaySeed(), r.pseudo.of)
 	}
-	if r.audits != nil && p.path == pathChat {
+	if r.audits != nil && p.msg != nil {
+		p.msg.agentChat = forwardBody(p.msg.chat, relaySeed(), r.pseudo.of) // as any chat request
+	}
+	if r.audits != nil && (p.path == pathChat || p.msg != nil) {
 		c := p.rl.client
 		p.verify = c != nil && c.Verify > 0 && rand.Float64() < c.Verify
 		if r.audits.TapDue(rt.model, p.verify) {
-			// finish hands the answer to the auditor (audits.go).
-			p.tap = auditor.NewTap(p.w)
-			p.w, p.stream = p.tap, rt.stream
+			// finish hands the answer to the auditor (audits.go). A
+			// Messages request's tap sits in front of the translation,
+			// on attempts that are translated (attempt.go).
+			p.tap, p.stream = auditor.NewTap(p.w), rt.stream
+			if p.msg == nil {
+				p.w = p.tap
+			}
 		}
 	}
 	p.route = r.sched.Begin(sr)
@@ -350,11 +368,15 @@ func (r *Relay) finish(p *proxied, c scheduler.Choice, n int, res *attemptResult
 		r.queue.finished(p.rl.flow) // a slot freed
 	}
 	provider := r.providers.get(c.EndpointID) != nil
-	if res.committed && r.audits != nil && p.path == pathChat && !provider {
+	if res.committed && r.audits != nil && (p.path == pathChat || p.msg != nil) && !provider {
 		r.audits.Served(p.rl.tokens(len(p.body))) // the audit budget's base
 	}
-	if res.committed && p.tap != nil {
-		x := auditor.Exchange{Model: p.rl.model, Agent: c.EndpointID, Provider: provider, Body: p.body, Forwarded: p.agentBody,
+	if res.committed && p.tap != nil && (p.msg == nil || p.translated) {
+		body, fwd := p.body, p.agentBody
+		if p.msg != nil {
+			body, fwd = p.msg.chat, p.msg.agentChat // what the engine answered
+		}
+		x := auditor.Exchange{Model: p.rl.model, Agent: c.EndpointID, Provider: provider, Body: body, Forwarded: fwd,
 			Header: p.req.Header, Stream: p.stream, Tap: p.tap, Verify: p.verify}
 		if p.rl.client != nil {
 			x.Client = p.rl.client.Name

@@ -215,8 +215,9 @@ func TestResponsesThroughRealParts(t *testing.T) {
 	if resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"new"}`, simengine.DefaultModel)); resp.StatusCode != http.StatusOK {
 		t.Fatalf("new conversation: %d %s", resp.StatusCode, b)
 	}
-	// The sim engine does not serve /v1/messages: nobody lists it.
-	if resp, b = postJSON(t, rl.url+"/v1/messages", fmt.Sprintf(`{"model":%q,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, simengine.DefaultModel)); resp.StatusCode != http.StatusNotFound {
+	// The sim engine does not serve /v1/messages: the relay translates.
+	if resp, b = postJSON(t, rl.url+"/v1/messages", fmt.Sprintf(`{"model":%q,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, simengine.DefaultModel)); resp.StatusCode != http.StatusOK ||
+		!strings.Contains(string(b), `"stop_reason":"max_tokens"`) {
 		t.Fatalf("/v1/messages: %d %s", resp.StatusCode, b)
 	}
 }

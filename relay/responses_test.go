@@ -222,27 +222,51 @@ func TestResponsesStreamCutEndsWithErrorEvent(t *testing.T) {
 	}
 }
 
+// TestMessagesRoutedToEnginesThatServeThem: a Messages request goes as it
+// is to an agent whose engine lists /v1/messages, and as the chat request
+// it means to any other, its answer translated; errors on the route are in
+// Anthropic's shape.
 func TestMessagesRoutedToEnginesThatServeThem(t *testing.T) {
 	tb := newTestbed(t, []string{"a", "b"}, nil)
 	body := `{"model":"m1","max_tokens":10,"messages":[{"role":"user","content":"hi"}]}`
-	if e := apiError(t, tb.do("POST", "/v1/messages", body)); e.Code != "unknown_url" {
-		t.Fatalf("no engine serves /v1/messages: %+v", e)
-	}
 	var n atomic.Int64
 	responsesEngine(tb.engines["b"], &n)
 	if err := tb.relay.Registry().Joined(tb.peers["b"], transport.JoinInfo{Name: "b", Models: []string{"m1"}, APIs: []string{pathMessages}}); err != nil {
 		t.Fatal(err)
 	}
-	for i := 0; i < 8; i++ {
+	seen := map[string]int{}
+	for i := 0; i < 16; i++ {
 		resp := tb.do("POST", "/v1/messages", body, "X-Session-ID", fmt.Sprint("s", i))
 		b, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderAgent) != "b" || !strings.Contains(string(b), "from b") {
-			t.Fatalf("%d %s %s", resp.StatusCode, resp.Header.Get(HeaderAgent), b)
+		agent := resp.Header.Get(HeaderAgent)
+		var m struct {
+			Type    string
+			Content []struct{ Type, Text string }
 		}
+		if resp.StatusCode != http.StatusOK || json.Unmarshal(b, &m) != nil || m.Type != "message" || len(m.Content) != 1 {
+			t.Fatalf("%d from %s: %s", resp.StatusCode, agent, b)
+		}
+		switch agent {
+		case "b": // its engine's own answer
+			if m.Content[0].Text != "from b" {
+				t.Fatalf("b's engine serves /v1/messages, the answer is not its own: %s", b)
+			}
+		case "a": // the chat answer, translated
+			if !strings.Contains(m.Content[0].Text, "hello from a") {
+				t.Fatalf("a translated: %s", b)
+			}
+		}
+		seen[agent]++
 	}
-	if e := apiError(t, tb.do("GET", "/v1/messages", "")); e.Code != "method_not_allowed" {
-		t.Fatalf("GET /v1/messages: %+v", e)
+	if seen["a"] == 0 || seen["b"] == 0 {
+		t.Fatalf("answers by agent %v: both should serve", seen)
+	}
+	resp := tb.do("GET", "/v1/messages", "")
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusMethodNotAllowed || !strings.Contains(string(b), `"type":"error"`) || !strings.Contains(string(b), `"invalid_request_error"`) {
+		t.Fatalf("GET /v1/messages: %d %s", resp.StatusCode, b)
 	}
 }
 

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"bytes"
+	"strconv"
 	"time"
 
 	"github.com/computeflux/computeflux/relay/ledger"
@@ -89,9 +90,12 @@ func (u *tokenUsage) readAt(data []byte, i int) bool {
 // Responses and Messages APIs (input_tokens, output_tokens,
 // input_tokens_details.cached_tokens, cache_read_input_tokens). Fields
 // present replace what u held; absent ones keep it (a Messages stream
-// gives its input and output counts in different events).
+// gives its input and output counts in different events). A Messages
+// usage's input_tokens leave out the cache's reads and writes
+// (cache_read_input_tokens, cache_creation_input_tokens): the prompt is
+// their sum.
 func (u *tokenUsage) readObject(obj []byte) bool {
-	var prompt, cached, completion, details []byte
+	var prompt, cached, completion, details, created []byte
 	if !scheduler.ScanObject(obj, func(k, v []byte) {
 		switch string(k) {
 		case "prompt_tokens", "input_tokens":
@@ -102,9 +106,18 @@ func (u *tokenUsage) readObject(obj []byte) bool {
 			details = v
 		case "cache_read_input_tokens":
 			cached = v
+		case "cache_creation_input_tokens":
+			created = v
 		}
 	}) {
 		return false
+	}
+	if len(cached) > 0 || len(created) > 0 {
+		if n, ok := parseCount(prompt); ok {
+			r, _ := parseCount(cached)
+			c, _ := parseCount(created)
+			prompt = strconv.AppendInt(nil, n+r+c, 10)
+		}
 	}
 	if len(details) > 0 && details[0] == '{' {
 		scheduler.ScanObject(details, func(k, v []byte) {
