@@ -53,7 +53,7 @@ type exchange struct {
 	path   string              // the upstream path
 	w      http.ResponseWriter // what the answer is written to
 	tr     *messagesWriter     // a translated Messages attempt's translation; nil for none
-	ctx    context.Context // the attempt's context: the client's, cancelled with a cause
+	ctx    context.Context     // the attempt's context: the client's, cancelled with a cause
 	cancel context.CancelCauseFunc
 	fl     *flight // liveness of an agent's attempt; nil for providers
 	wd     wdRef
