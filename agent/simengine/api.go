@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -29,6 +31,9 @@ type genRequest struct {
 	// decoding (no temperature, or 0), whose answer is the prompt's alone.
 	draw uint64
 	resp *respMeta // Responses API requests only
+	// tool is the call the answer makes instead of text (chat only); nil
+	// for a text answer.
+	tool *toolCall
 }
 
 type streamOptions struct {
@@ -44,7 +49,18 @@ type chatRequest struct {
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
 	N                   *int            `json:"n"`
 	PromptCacheKey      json.RawMessage `json:"prompt_cache_key"` // routing hint for relays; ignored here
+	Tools               []chatTool      `json:"tools"`
+	ToolChoice          json.RawMessage `json:"tool_choice"`
 	sampling
+}
+
+// chatTool is a function the client offers the model.
+type chatTool struct {
+	Type     string `json:"type"`
+	Function struct {
+		Name       string          `json:"name"`
+		Parameters json.RawMessage `json:"parameters"`
+	} `json:"function"`
 }
 
 // sampling is a request's decoding: a temperature above 0 samples, and
@@ -66,8 +82,10 @@ func (s sampling) draw() uint64 {
 }
 
 type chatMessage struct {
-	Role    string          `json:"role"`
-	Content json.RawMessage `json:"content"`
+	Role       string          `json:"role"`
+	Content    json.RawMessage `json:"content"`
+	ToolCalls  json.RawMessage `json:"tool_calls"`
+	ToolCallID string          `json:"tool_call_id"`
 }
 
 type contentPart struct {
@@ -132,12 +150,115 @@ func parseChat(body []byte) (*genRequest, error) {
 		if err != nil {
 			return nil, badRequest(fmt.Sprintf("messages[%d].content", i), "%v", err)
 		}
+		if len(m.ToolCalls) > 0 && string(m.ToolCalls) != "null" {
+			text += string(m.ToolCalls) // the calls are part of the turn, as a template renders them
+		}
 		renderMessage(&b, m.Role, text)
 	}
 	b.WriteString(chatGenerationPrompt)
 	prompt := b.String()
+	tool, err := chooseTool(cr.Tools, cr.ToolChoice, cr.Messages[len(cr.Messages)-1].Role)
+	if err != nil {
+		return nil, err
+	}
 	return &genRequest{kind: kindChat, model: cr.Model, prompt: prompt, tokens: Tokenize(nil, prompt),
-		maxTokens: maxTokens, stream: cr.Stream, draw: cr.draw()}, nil
+		maxTokens: maxTokens, stream: cr.Stream, draw: cr.draw(), tool: tool}, nil
+}
+
+// chooseTool decides whether the answer is a call of one of tools, and of
+// which, as a model that follows its instructions would: tool_choice
+// "required" or a named function calls (the named one, or the first);
+// "none" answers in text; "auto" (or none given) calls the first tool
+// unless the last message is a tool's result, which the answer then is
+// about. The call's arguments fill the function's required parameters
+// (every parameter when none is required) with values of their types.
+func chooseTool(tools []chatTool, choice json.RawMessage, lastRole string) (*toolCall, error) {
+	if len(tools) == 0 {
+		return nil, nil
+	}
+	name := ""
+	switch c := string(bytes.TrimSpace(choice)); {
+	case c == "" || c == "null" || c == `"auto"`:
+		if lastRole == "tool" {
+			return nil, nil
+		}
+	case c == `"none"`:
+		return nil, nil
+	case c == `"required"`:
+	default:
+		var named struct {
+			Function struct {
+				Name string `json:"name"`
+			} `json:"function"`
+		}
+		if json.Unmarshal(choice, &named) != nil || named.Function.Name == "" {
+			return nil, badRequest("tool_choice", "tool_choice must be auto, none, required or a named function")
+		}
+		name = named.Function.Name
+	}
+	t := tools[0]
+	if name != "" {
+		found := false
+		for _, c := range tools {
+			if c.Function.Name == name {
+				t, found = c, true
+				break
+			}
+		}
+		if !found {
+			return nil, badRequest("tool_choice", "tool_choice names %q, which is not among the tools", name)
+		}
+	}
+	if t.Function.Name == "" {
+		return nil, badRequest("tools", "every tool needs a function name")
+	}
+	return &toolCall{name: t.Function.Name, args: toolArguments(t.Function.Parameters)}, nil
+}
+
+// toolCall is an answer that calls a function.
+type toolCall struct {
+	name, args string
+}
+
+// toolArguments are a call's arguments for a JSON schema of an object:
+// its required properties (all of them when none is required), each a
+// value of its type (the first of an enum).
+func toolArguments(schema json.RawMessage) string {
+	var s struct {
+		Properties map[string]struct {
+			Type string            `json:"type"`
+			Enum []json.RawMessage `json:"enum"`
+		} `json:"properties"`
+		Required []string `json:"required"`
+	}
+	_ = json.Unmarshal(schema, &s)
+	names := s.Required
+	if len(names) == 0 {
+		for n := range s.Properties {
+			names = append(names, n)
+		}
+		slices.Sort(names)
+	}
+	args := map[string]json.RawMessage{}
+	for _, n := range names {
+		p := s.Properties[n]
+		switch {
+		case len(p.Enum) > 0:
+			args[n] = p.Enum[0]
+		case p.Type == "number" || p.Type == "integer":
+			args[n] = json.RawMessage("1")
+		case p.Type == "boolean":
+			args[n] = json.RawMessage("true")
+		case p.Type == "object":
+			args[n] = json.RawMessage("{}")
+		case p.Type == "array":
+			args[n] = json.RawMessage("[]")
+		default:
+			args[n] = json.RawMessage(strconv.Quote(n))
+		}
+	}
+	b, _ := json.Marshal(args)
+	return string(b)
 }
 
 // chatGenerationPrompt opens the assistant's turn.

@@ -497,8 +497,15 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, g *genRequest)
 	if g.kind == kindResponse {
 		out = newResponsesWriter(s, w, g, model)
 	} else {
-		out = &responder{w: w, kind: g.kind, model: model, created: time.Now().Unix(),
+		rs := &responder{w: w, kind: g.kind, model: model, created: time.Now().Unix(),
 			id: fmt.Sprintf("%s-%016x", idPrefix[g.kind], mix64(id^s.cfg.Engine.Seed))}
+		if g.tool != nil {
+			rs.tool = g.tool
+			rs.toolID = fmt.Sprintf("call_%016x", mix64(id^s.cfg.Engine.Seed^0x7001))
+			rs.argParts = splitArgs(g.tool.args, len(pieces))
+			finish = "tool_calls"
+		}
+		out = rs
 	}
 	sent := 0
 	for {
@@ -710,8 +717,23 @@ func toUsageJSON(u Usage) *usageJSON {
 }
 
 type delta struct {
-	Role    string  `json:"role,omitempty"`
-	Content *string `json:"content,omitempty"`
+	Role      string         `json:"role,omitempty"`
+	Content   *string        `json:"content,omitempty"`
+	ToolCalls []toolCallJSON `json:"tool_calls,omitempty"`
+}
+
+// toolCallJSON is a function call of an answer; in a stream's delta it
+// has its index, and its id and name only in the call's first delta.
+type toolCallJSON struct {
+	Index    *int         `json:"index,omitempty"`
+	ID       string       `json:"id,omitempty"`
+	Type     string       `json:"type,omitempty"`
+	Function functionJSON `json:"function"`
+}
+
+type functionJSON struct {
+	Name      string `json:"name,omitempty"`
+	Arguments string `json:"arguments"`
 }
 
 type choice struct {
@@ -724,8 +746,9 @@ type choice struct {
 }
 
 type message struct {
-	Role    string `json:"role"`
-	Content string `json:"content"`
+	Role      string         `json:"role"`
+	Content   *string        `json:"content"` // null for a tool call
+	ToolCalls []toolCallJSON `json:"tool_calls,omitempty"`
 }
 
 type completion struct {
@@ -754,6 +777,23 @@ type responder struct {
 	created int64
 	started bool // stream headers sent
 	buf     []byte
+	// A chat answer that calls a tool: the call, its id, and its
+	// arguments in one part per answer piece (a stream sends a part where
+	// a text answer sends a piece); next is the next part to send.
+	tool     *toolCall
+	toolID   string
+	argParts []string
+	next     int
+}
+
+// splitArgs cuts a call's arguments into n parts (at least one), in order.
+func splitArgs(args string, n int) []string {
+	n = max(1, min(n, len(args)))
+	parts := make([]string, 0, n)
+	for i := range n {
+		parts = append(parts, args[i*len(args)/n:(i+1)*len(args)/n])
+	}
+	return parts
 }
 
 func (o *responder) hasStarted() bool { return o.started }
@@ -770,9 +810,13 @@ func (o *responder) object(stream bool) string {
 
 func (o *responder) whole(text, finish string, u Usage) error {
 	ch := choice{FinishReason: &finish}
-	if o.kind == kindChat {
-		ch.Message = &message{Role: "assistant", Content: text}
-	} else {
+	switch {
+	case o.tool != nil:
+		ch.Message = &message{Role: "assistant", ToolCalls: []toolCallJSON{{ID: o.toolID, Type: "function",
+			Function: functionJSON{Name: o.tool.name, Arguments: o.tool.args}}}}
+	case o.kind == kindChat:
+		ch.Message = &message{Role: "assistant", Content: &text}
+	default:
 		ch.Text = &text
 	}
 	writeJSON(o.w, http.StatusOK, &completion{ID: o.id, Object: o.object(false), Created: o.created, Model: o.model,
@@ -793,9 +837,20 @@ func (o *responder) chunks(pieces []string) error {
 	}
 	for _, p := range pieces {
 		ch := choice{}
-		if o.kind == kindChat {
+		switch {
+		case o.tool != nil:
+			if o.next >= len(o.argParts) {
+				continue
+			}
+			call := toolCallJSON{Index: new(int), Function: functionJSON{Arguments: o.argParts[o.next]}}
+			if o.next == 0 {
+				call.ID, call.Type, call.Function.Name = o.toolID, "function", o.tool.name
+			}
+			o.next++
+			ch.Delta = &delta{ToolCalls: []toolCallJSON{call}}
+		case o.kind == kindChat:
 			ch.Delta = &delta{Content: &p}
-		} else {
+		default:
 			ch.Text = &p
 		}
 		o.event(&completion{Choices: []choice{ch}})
@@ -805,6 +860,16 @@ func (o *responder) chunks(pieces []string) error {
 
 // end sends the finish chunk, the usage chunk and [DONE].
 func (o *responder) end(finish string, u Usage) error {
+	if o.tool != nil && o.next < len(o.argParts) {
+		// Fewer pieces came than parts: the rest of the arguments.
+		rest := strings.Join(o.argParts[o.next:], "")
+		call := toolCallJSON{Index: new(int), Function: functionJSON{Arguments: rest}}
+		if o.next == 0 {
+			call.ID, call.Type, call.Function.Name = o.toolID, "function", o.tool.name
+		}
+		o.next = len(o.argParts)
+		o.event(&completion{Choices: []choice{{Delta: &delta{ToolCalls: []toolCallJSON{call}}}}})
+	}
 	ch := choice{FinishReason: &finish}
 	if o.kind == kindChat {
 		ch.Delta = &delta{}

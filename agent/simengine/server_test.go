@@ -469,3 +469,93 @@ func TestSampledAnswersFollowTheSeed(t *testing.T) {
 		t.Errorf("sampled follow-up: cached %d, want %d", second.Usage.PromptTokensDetails.CachedTokens, want)
 	}
 }
+
+// TestToolCalls: offered tools, the answer calls one (the named one, or
+// the first) with its required parameters filled by type, streamed or
+// not, finish_reason tool_calls; after the tool's result, or with
+// tool_choice none, it answers in text.
+func TestToolCalls(t *testing.T) {
+	ts := startServer(t, Config{})
+	tools := `[{"type":"function","function":{"name":"lookup","parameters":{"type":"object","properties":{"q":{"type":"string"}}}}},` +
+		`{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"},"days":{"type":"integer"},"unit":{"enum":["c","f"]}},"required":["city","unit"]}}}]`
+	ask := func(choice, last string, stream bool) []byte {
+		body := `{"model":"` + DefaultModel + `","max_tokens":6,"tools":` + tools + `,"messages":[{"role":"user","content":"weather?"}` + last + `]`
+		if choice != "" {
+			body += `,"tool_choice":` + choice
+		}
+		if stream {
+			body += `,"stream":true`
+		}
+		resp, b := ts.post(t, "/v1/chat/completions", body+"}")
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		return b
+	}
+	var whole struct {
+		Choices []struct {
+			Message struct {
+				Content   *string
+				ToolCalls []struct {
+					ID       string
+					Function struct{ Name, Arguments string }
+				} `json:"tool_calls"`
+			}
+			FinishReason string `json:"finish_reason"`
+		}
+	}
+	if err := json.Unmarshal(ask(`{"type":"function","function":{"name":"get_weather"}}`, "", false), &whole); err != nil {
+		t.Fatal(err)
+	}
+	c := whole.Choices[0]
+	if c.FinishReason != "tool_calls" || c.Message.Content != nil || len(c.Message.ToolCalls) != 1 ||
+		c.Message.ToolCalls[0].Function.Name != "get_weather" || c.Message.ToolCalls[0].Function.Arguments != `{"city":"city","unit":"c"}` ||
+		!strings.HasPrefix(c.Message.ToolCalls[0].ID, "call_") {
+		t.Fatalf("named tool: %+v", c)
+	}
+	// Streamed, auto: the first tool, its arguments in parts.
+	var args, name string
+	finish := ""
+	for _, ev := range sse(t, bytes.NewReader(ask("", "", true))) {
+		if ev == "[DONE]" {
+			continue
+		}
+		var ch struct {
+			Choices []struct {
+				Delta struct {
+					ToolCalls []struct {
+						Index    int
+						Function struct{ Name, Arguments string }
+					} `json:"tool_calls"`
+				}
+				FinishReason *string `json:"finish_reason"`
+			}
+		}
+		if err := json.Unmarshal([]byte(ev), &ch); err != nil {
+			t.Fatalf("%q: %v", ev, err)
+		}
+		for _, c := range ch.Choices {
+			for _, tc := range c.Delta.ToolCalls {
+				name += tc.Function.Name
+				args += tc.Function.Arguments
+			}
+			if c.FinishReason != nil {
+				finish = *c.FinishReason
+			}
+		}
+	}
+	if name != "lookup" || args != `{"q":"q"}` || finish != "tool_calls" {
+		t.Fatalf("streamed auto call: %q %q %q", name, args, finish)
+	}
+	// After the tool's result, and with none: text.
+	result := `,{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"lookup","arguments":"{}"}}]},{"role":"tool","tool_call_id":"call_1","content":"sunny"}`
+	for _, c := range [][2]string{{"", result}, {`"none"`, ""}} {
+		whole.Choices = nil
+		if err := json.Unmarshal(ask(c[0], c[1], false), &whole); err != nil {
+			t.Fatal(err)
+		}
+		if ch := whole.Choices[0]; ch.Message.Content == nil || *ch.Message.Content == "" || len(ch.Message.ToolCalls) != 0 {
+			t.Fatalf("tool_choice %s after %q: %+v", c[0], c[1], ch)
+		}
+	}
+}

@@ -10,9 +10,15 @@
 // temperature 0 unless the request sets one; seed, top_p, top_k, min_p,
 // stop, max_tokens, logprobs and top_logprobs honoured), GET /v1/models, /health, /props, /slots, /metrics
 // (llama.cpp's llamacpp:* names). Errors are OpenAI error JSON.
+//
+// Tools: a chat request whose tool_choice is "required" (the first tool) or
+// names a function gets a call of it, its arguments generated under a
+// grammar of the function's JSON schema, as llama.cpp's server constrains
+// a forced call; "auto" and "none" answer in text (a model this small never
+// starts a call of its own).
 import http from 'node:http';
 import { parseArgs } from 'node:util';
-import { getLlama, LlamaLogLevel } from 'node-llama-cpp';
+import { getLlama, LlamaLogLevel, LlamaGrammarEvaluationState } from 'node-llama-cpp';
 
 const { values: opt } = parseArgs({
   options: {
@@ -109,9 +115,45 @@ function render(body, chat) {
     let content = m.content;
     if (Array.isArray(content)) content = content.map((p) => (p && p.type === 'text' ? p.text : '')).join('');
     if (typeof content !== 'string') content = '';
+    if (Array.isArray(m.tool_calls)) content += JSON.stringify(m.tool_calls);
     text += `${m.role}: ${content}\n`;
   }
   return text + 'assistant:';
+}
+
+// The function a chat request forces a call of: tool_choice "required"
+// (the first tool) or a named function; null for a text answer.
+function forcedTool(body) {
+  const tools = Array.isArray(body.tools) ? body.tools.filter((t) => t && t.function && typeof t.function.name === 'string') : [];
+  const choice = body.tool_choice;
+  if (tools.length === 0 || choice == null || choice === 'auto' || choice === 'none') return null;
+  if (choice === 'required') return tools[0].function;
+  const name = choice && choice.function && choice.function.name;
+  const t = tools.find((x) => x.function.name === name);
+  if (!t) throw new HTTPError(400, 'invalid_request_error', `tool_choice names ${JSON.stringify(name)}, which is not among the tools`);
+  return t.function;
+}
+
+const grammars = new Map(); // JSON schema text -> grammar
+async function grammarFor(schema) {
+  const key = JSON.stringify(schema ?? { type: 'object' });
+  if (!grammars.has(key)) {
+    try {
+      grammars.set(key, await llama.createGrammarForJsonSchema(schema ?? { type: 'object' }));
+    } catch (e) {
+      throw new HTTPError(400, 'invalid_request_error', `the tool's parameters are not a JSON schema this engine takes: ${e.message}`);
+    }
+  }
+  return grammars.get(key);
+}
+
+function completeJSON(text) {
+  try {
+    JSON.parse(text);
+    return true;
+  } catch {
+    return false;
+  }
 }
 
 function tokenText(t) {
@@ -133,6 +175,9 @@ async function complete(req, res, chat) {
   const stream = body.stream === true;
   const stops = (Array.isArray(body.stop) ? body.stop : body.stop != null ? [body.stop] : []).filter((x) => typeof x === 'string' && x !== '');
   const includeUsage = stream && body.stream_options && body.stream_options.include_usage === true;
+  const tool = chat ? forcedTool(body) : null;
+  const grammar = tool ? await grammarFor(tool.parameters) : null;
+  const callID = 'call_' + Math.random().toString(36).slice(2);
   const id = (chat ? 'chatcmpl-' : 'cmpl-') + Math.random().toString(36).slice(2);
   const created = Math.floor(Date.now() / 1000);
   const object = chat ? (stream ? 'chat.completion.chunk' : 'chat.completion') : 'text_completion';
@@ -147,6 +192,7 @@ async function complete(req, res, chat) {
   const logprobs = [];
   let text = '';
   let stopped = false;
+  let sentCall = false;
   try {
     if (stream) {
       res.writeHead(200, { 'Content-Type': 'text/event-stream', 'Cache-Control': 'no-cache' });
@@ -159,6 +205,7 @@ async function complete(req, res, chat) {
       topK: body.top_k != null ? Number(body.top_k) : undefined,
       minP: body.min_p != null ? Number(body.min_p) : undefined,
     };
+    if (grammar) options.grammarEvaluationState = new LlamaGrammarEvaluationState({ model, grammar });
     const it = wantLogprobs
       ? seq.evaluateWithMetadata(tokens, { probabilities: true }, options)
       : seq.evaluate(tokens, options);
@@ -184,7 +231,13 @@ async function complete(req, res, chat) {
         lp = { token: tokenText(t), logprob: chosen, bytes: [...Buffer.from(tokenText(t))], top_logprobs: top };
         logprobs.push(lp);
       }
-      if (stream && piece !== '') {
+      if (tool && completeJSON(text)) stopped = true; // the call's arguments are whole
+      if (stream && piece !== '' && tool) {
+        const call = { index: 0, function: { arguments: piece } };
+        if (!sentCall) Object.assign(call, { id: callID, type: 'function', function: { name: tool.name, arguments: piece } });
+        sentCall = true;
+        sse(res, { id, object, created, model: name, choices: [{ index: 0, delta: { tool_calls: [call] }, finish_reason: null }] });
+      } else if (stream && piece !== '') {
         const choice = chat ? { index: 0, delta: { content: piece }, finish_reason: null } : { index: 0, text: piece, finish_reason: null };
         if (lp) choice.logprobs = { content: [lp] };
         sse(res, { id, object, created, model: name, choices: [choice] });
@@ -198,7 +251,8 @@ async function complete(req, res, chat) {
     await release(seq);
   }
   if (aborted) return;
-  const finish = out.length >= maxTokens && !stopped ? 'length' : 'stop';
+  let finish = out.length >= maxTokens && !stopped ? 'length' : 'stop';
+  if (tool && finish === 'stop') finish = 'tool_calls';
   const usage = { prompt_tokens: tokens.length, completion_tokens: out.length, total_tokens: tokens.length + out.length, prompt_tokens_details: { cached_tokens: 0 } };
   if (stream) {
     const last = chat ? { index: 0, delta: {}, finish_reason: finish } : { index: 0, text: '', finish_reason: finish };
@@ -207,9 +261,10 @@ async function complete(req, res, chat) {
     res.end('data: [DONE]\n\n');
     return;
   }
-  const choice = chat
-    ? { index: 0, message: { role: 'assistant', content: text }, finish_reason: finish }
-    : { index: 0, text, finish_reason: finish };
+  const message = tool
+    ? { role: 'assistant', content: null, tool_calls: [{ id: callID, type: 'function', function: { name: tool.name, arguments: text } }] }
+    : { role: 'assistant', content: text };
+  const choice = chat ? { index: 0, message, finish_reason: finish } : { index: 0, text, finish_reason: finish };
   if (wantLogprobs) choice.logprobs = { content: logprobs };
   sendJSON(res, 200, { id, object, created, model: name, choices: [choice], usage });
 }
