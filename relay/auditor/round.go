@@ -133,6 +133,9 @@ func (a *Auditor) plan(now time.Time, members []Member) (p plan, ok bool) {
 	g := a.group(subject)
 	p.parts = []participant{{m: subject, group: g, weight: a.voice(now, subject, k.Model), suspect: a.book.Quarantined(k)}}
 	defer func() {
+		if !ok {
+			return
+		}
 		// Each participant's copy names a user of its own traffic, and
 		// has a request ID of its own.
 		id := http.Header(p.item.Header).Get("X-Request-Id")
