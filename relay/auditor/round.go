@@ -58,9 +58,11 @@ func (a *Auditor) tick() {
 	a.sampleLoads(now)
 	a.recheckOne()
 	members := a.cfg.Fleet()
-	a.mu.Lock()
-	p, ok := a.plan(now, members)
-	a.mu.Unlock()
+	p, ok := func() (plan, bool) {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		return a.plan(now, members)
+	}()
 	if ok {
 		a.run(p)
 	}
