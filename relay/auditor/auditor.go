@@ -17,6 +17,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/netip"
+	"runtime/debug"
 	"sync"
 	"time"
 
@@ -245,10 +246,21 @@ func (a *Auditor) Start() {
 			case <-a.ctx.Done():
 				return
 			case <-t.C:
-				a.tick()
+				a.safeTick()
 			}
 		}
 	}()
+}
+
+// safeTick runs tick; a panic in it is logged, not the relay's end: the
+// audits are not worth its serving.
+func (a *Auditor) safeTick() {
+	defer func() {
+		if v := recover(); v != nil {
+			a.log.Error().Str("panic", fmt.Sprint(v)).Str("stack", string(debug.Stack())).Msg("audit round failed")
+		}
+	}()
+	a.tick()
 }
 
 // Close ends the loop and waits for it (a round in flight is cancelled

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -285,5 +286,45 @@ func TestTenureWeighsVotes(t *testing.T) {
 				t.Errorf("h1 quarantined %v, want %v: %+v", got, tc.convicted, st)
 			}
 		})
+	}
+}
+
+// TestWhatACheaterGetsAwayWith pins the limits docs/audits.md states:
+// an agent that claims an engine kind no other agent of its model runs
+// is compared with nobody under sampled traffic (inconclusive, never
+// convicted, and the admin API shows it); and a relay whose model has
+// fewer than three clients writes its prompts from the built-in
+// vocabulary, which a cheater can recognise.
+func TestWhatACheaterGetsAwayWith(t *testing.T) {
+	f := &fleet{}
+	f.add("h1", "good", "198.18.1.1")
+	f.add("h2", "good", "198.18.2.1")
+	f.add("odd", "cheap", "198.18.3.1", func(m *Member) { m.Kind = "another-engine" })
+	c := &clock{t: time.Unix(1_800_000_000, 0)}
+	a, _ := testAuditor(t, f, c, nil)
+	traffic(a, c, 10)
+	run(a, c, 60)
+	st, _ := a.Standing("odd", "m1")
+	if st.Quarantine != nil || st.Audits != 0 || st.Inconclusive == 0 {
+		t.Errorf("an agent of a kind of its own: %+v", st)
+	}
+
+	// Two clients only: the vocabulary.
+	f2 := &fleet{}
+	f2.add("h1", "good", "198.18.1.1")
+	f2.add("h2", "good", "198.18.2.1")
+	a2, _ := testAuditor(t, f2, c, nil)
+	for i := range 10 {
+		a2.Answered(&Exchange{Model: "m1", Client: fmt.Sprintf("c%d", i%2), Header: http.Header{},
+			Body: []byte(`{"model":"m1","messages":[{"role":"user","content":"zebra quokka narwhal ocelot tapir zebra quokka narwhal"}],"temperature":0.8}`)})
+		c.add(shapeEvery)
+	}
+	a2.mu.Lock()
+	text := a2.traffic["m1"].phrases.Text(200, a2.rng)
+	a2.mu.Unlock()
+	for _, w := range strings.Fields(text) {
+		if !slices.Contains(audit.Vocabulary, strings.ToLower(strings.TrimSuffix(w, "."))) {
+			t.Errorf("two clients' text %q has %q: want the built-in vocabulary", text, w)
+		}
 	}
 }

@@ -22,7 +22,6 @@ type recheck struct {
 	header               http.Header
 	sampled              bool
 	answer               audit.Answer
-	tokens               int
 }
 
 // queueRecheck keeps x's answer for a re-check, when it was kept whole;

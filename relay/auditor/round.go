@@ -35,6 +35,7 @@ type participant struct {
 	weight  float64
 	suspect bool
 	names   map[string]string // identity values of its own traffic, set in its copy of the prompt
+	reqID   string            // its copy's X-Request-Id: a fresh one of the client's form
 }
 
 // plan is one round about to be sent.
@@ -57,9 +58,11 @@ func (a *Auditor) tick() {
 	a.sampleLoads(now)
 	a.recheckOne()
 	members := a.cfg.Fleet()
-	a.mu.Lock()
-	p, ok := a.plan(now, members)
-	a.mu.Unlock()
+	p, ok := func() (plan, bool) {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		return a.plan(now, members)
+	}()
 	if ok {
 		a.run(p)
 	}
@@ -132,9 +135,17 @@ func (a *Auditor) plan(now time.Time, members []Member) (p plan, ok bool) {
 	g := a.group(subject)
 	p.parts = []participant{{m: subject, group: g, weight: a.voice(now, subject, k.Model), suspect: a.book.Quarantined(k)}}
 	defer func() {
-		// Each participant's copy names a user of its own traffic.
+		if !ok {
+			return
+		}
+		// Each participant's copy names a user of its own traffic, and
+		// has a request ID of its own.
+		id := http.Header(p.item.Header).Get("X-Request-Id")
 		for i := range p.parts {
 			p.parts[i].names = t.namesFor(p.parts[i].m.Name, a.rng)
+			if id != "" {
+				p.parts[i].reqID = audit.Shaped(id, a.rng)
+			}
 		}
 	}()
 	if it := a.bank.For(now, k.Model, g, subject.Kind, true, rules, a.rng); it != nil {
@@ -157,9 +168,7 @@ func (a *Auditor) plan(now time.Time, members []Member) (p plan, ok bool) {
 	p.parts = append(p.parts, refs...)
 	body := a.cfg.Seed(tmpl.Fill(k.Model, t.phrases, a.rng))
 	if id := hdr.Get("X-Request-Id"); id != "" {
-		// A client's request ID is its own: the audit gets a fresh one of
-		// the same form.
-		hdr.Set("X-Request-Id", audit.Shaped(id, a.rng))
+		hdr.Set("X-Request-Id", audit.Shaped(id, a.rng)) // the client's own stays out of the bank
 	}
 	p.item = audit.NewItem(p.id, k.Model, body, hdr, tmpl.Sampled, now)
 	return p, true
@@ -241,6 +250,11 @@ func (a *Auditor) run(p plan) {
 			// by it, so the answers still compare.
 			req := Request{Endpoint: pt.m.Name, Model: p.key.Model, Client: p.client, Body: audit.SetFields(p.item.Body, pt.names),
 				Header: http.Header(p.item.Header).Clone(), Cost: p.cost}
+			if pt.reqID != "" {
+				// A client's request ID is its own: every copy gets a
+				// fresh one of the same form.
+				req.Header.Set("X-Request-Id", pt.reqID)
+			}
 			answers[i].c, answers[i].tokens, answers[i].err = a.ask(ctx, req)
 		})
 	}

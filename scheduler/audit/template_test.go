@@ -122,7 +122,6 @@ func TestTemplateFormatting(t *testing.T) {
 		}
 	}
 	// Text with non-ASCII is escaped as the client escaped it.
-	type src struct{ fixedText }
 	for _, tc := range []struct {
 		body string
 		want string
