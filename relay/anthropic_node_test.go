@@ -28,7 +28,7 @@ type anthropicSeen struct {
 		OutputTokens         int64 `json:"output_tokens"`
 		CacheReadInputTokens int64 `json:"cache_read_input_tokens"`
 	}
-	Created struct{ ID, Type, Role, Text, Stop string }
+	Created  struct{ ID, Type, Role, Text, Stop string }
 	Streamed struct {
 		Text, Deltas, Stop string
 		Events             []string

@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -28,8 +29,8 @@ func readmeBlocks(t *testing.T, lang string) []string {
 
 // TestREADMEClients runs the README's client examples, as written, against
 // a relay with package agents in front of sim engines over QUIC: every curl
-// command (with RELAY:8080 and the key file replaced), and the Node example
-// with the official OpenAI client (skipped with the reason when node, npm
+// command (with RELAY:8080 and the key file replaced), and the Node examples
+// with the official OpenAI client and Anthropic's SDK (skipped with the reason when node, npm
 // or the registry is missing).
 func TestREADMEClients(t *testing.T) {
 	if testing.Short() {
@@ -70,39 +71,50 @@ func TestREADMEClients(t *testing.T) {
 	}
 
 	js := readmeBlocks(t, "js")
-	if len(js) != 1 {
-		t.Fatalf("want one Node example in the README, found %d", len(js))
+	if len(js) != 2 {
+		t.Fatalf("want two Node examples in the README (OpenAI's client, Anthropic's), found %d", len(js))
 	}
 	node, err := exec.LookPath("node")
 	if err != nil {
-		t.Skip("node is not installed; the README's Node example was not run")
+		t.Skip("node is not installed; the README's Node examples were not run")
 	}
 	npm, err := exec.LookPath("npm")
 	if err != nil {
-		t.Skip("npm is not installed; the README's Node example was not run")
+		t.Skip("npm is not installed; the README's Node examples were not run")
 	}
 	dir := t.TempDir()
-	install := exec.CommandContext(ctx, npm, "install", "--prefix", dir, "--no-audit", "--no-fund", "--loglevel=error", "openai@"+openaiNodeVersion)
+	install := exec.CommandContext(ctx, npm, "install", "--prefix", dir, "--no-audit", "--no-fund", "--loglevel=error",
+		"openai@"+openaiNodeVersion, "@anthropic-ai/sdk@"+anthropicSDKVersion)
 	install.Env = append(os.Environ(), "npm_config_update_notifier=false")
 	if out, err := install.CombinedOutput(); err != nil {
-		t.Skipf("npm install openai failed (registry unavailable?); the README's Node example was not run: %v\n%s", err, out)
+		t.Skipf("npm install failed (registry unavailable?); the README's Node examples were not run: %v\n%s", err, out)
 	}
-	src := strings.ReplaceAll(js[0], "http://RELAY:8080", rl.url)
-	src = strings.ReplaceAll(src, "'sk-...'", "'"+itKey+"'")
-	script := filepath.Join(dir, "example.mjs") // beside node_modules, so the import resolves
-	if err := os.WriteFile(script, []byte(src), 0o644); err != nil {
-		t.Fatal(err)
+	run := func(i int) []string {
+		t.Helper()
+		src := strings.ReplaceAll(js[i], "http://RELAY:8080", rl.url)
+		src = strings.ReplaceAll(src, "'sk-...'", "'"+itKey+"'")
+		script := filepath.Join(dir, fmt.Sprintf("example%d.mjs", i)) // beside node_modules, so the import resolves
+		if err := os.WriteFile(script, []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		out, err := exec.CommandContext(ctx, node, script).CombinedOutput()
+		if err != nil {
+			t.Fatalf("README Node example %d: %v\n%s", i+1, err, out)
+		}
+		t.Logf("README Node example %d printed:\n%s", i+1, out)
+		return strings.Split(strings.TrimSpace(string(out)), "\n")
 	}
-	out, err := exec.CommandContext(ctx, node, script).CombinedOutput()
-	if err != nil {
-		t.Fatalf("README Node example: %v\n%s", err, out)
-	}
-	// It prints the second turn's text and its cached tokens (a count),
+	isCount := func(s string) bool { return s != "" && strings.Trim(s, "0123456789") == "" }
+	// OpenAI's: the second turn's text and its cached tokens (a count),
 	// then the streamed chat answer.
-	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	lines := run(0)
 	f := strings.Fields(lines[0])
-	if len(lines) != 2 || len(f) < 2 || strings.Trim(f[len(f)-1], "0123456789") != "" || len(strings.Fields(lines[1])) == 0 {
-		t.Fatalf("README Node example printed:\n%s", out)
+	if len(lines) != 2 || len(f) < 2 || !isCount(f[len(f)-1]) || len(strings.Fields(lines[1])) == 0 {
+		t.Fatalf("README's OpenAI example printed %q", lines)
 	}
-	t.Logf("README Node example printed:\n%s", out)
+	// Anthropic's: the answer's text and its input tokens.
+	lines = run(1)
+	if f := strings.Fields(lines[0]); len(lines) != 1 || len(f) < 2 || !isCount(f[len(f)-1]) || f[len(f)-1] == "0" {
+		t.Fatalf("README's Anthropic example printed %q", lines)
+	}
 }
