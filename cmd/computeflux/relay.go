@@ -1,7 +1,9 @@
 package main
 
 import (
+	"cmp"
 	"context"
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
@@ -10,9 +12,11 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/rs/zerolog"
+	"golang.org/x/crypto/acme/autocert"
 
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/ledger"
@@ -27,6 +31,14 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	tuneGC(os.LookupEnv)
+	var certs *relay.ACME
+	if files.acme != nil {
+		// Before anything starts: a cache it cannot write is a start-up error.
+		if certs, err = relay.NewACME(*files.acme); err != nil {
+			return err
+		}
+		defer certs.Close() // after the HTTP sides: no renewal outlives the relay
+	}
 	closeLedger, err := files.openLedger(&cfg)
 	if err != nil {
 		return err
@@ -41,9 +53,9 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	stopReload := reloadOnHangup(ctx, r)
 	defer stopReload()
-	if files.cert == "" {
+	if files.cert == "" && certs == nil {
 		if !isLoopbackListen(cfg.Listen) {
-			cfg.Logger.Warn().Str("listen", cfg.Listen).Msg("serving plain HTTP: clients' API keys cross the network in clear text; use --tls-cert/--tls-key or a TLS proxy in front")
+			cfg.Logger.Warn().Str("listen", cfg.Listen).Msg("serving plain HTTP: clients' API keys cross the network in clear text; use --domain NAME (a certificate by ACME), --tls-cert/--tls-key, or a TLS proxy in front")
 		}
 		return r.Run(ctx)
 	}
@@ -51,6 +63,9 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		_ = r.Close()
 		return fmt.Errorf("relay: listen: %w", err)
+	}
+	if certs != nil {
+		return serveACME(ctx, r, certs, ln, files.httpListen, cfg.Logger)
 	}
 	tln, err := relay.NewTLSListener(ln, files.cert, files.key)
 	if err != nil {
@@ -61,16 +76,139 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	return r.Serve(ctx, tln)
 }
 
+// serveACME serves the relay on ln with certificates by ACME, and the
+// ACME http-01 challenges and redirects to HTTPS on httpListen (none: no
+// HTTP side), until ctx ends.
+func serveACME(ctx context.Context, r *relay.Relay, certs *relay.ACME, ln net.Listener, httpListen string, log zerolog.Logger) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	httpDone := make(chan error, 1)
+	if httpListen == noHTTPListen {
+		httpDone <- nil
+	} else {
+		hln, err := net.Listen("tcp", httpListen)
+		if err != nil {
+			_ = ln.Close()
+			_ = r.Close()
+			return fmt.Errorf("relay: --http-listen (ACME http-01 challenges; none: only tls-alpn-01 on the HTTPS port): %w", err)
+		}
+		httpsPort := ln.Addr().(*net.TCPAddr).Port
+		go func() {
+			err := certs.ServeHTTP(ctx, hln, httpsPort)
+			if err != nil {
+				log.Error().Err(err).Msg("the HTTP side stopped: no http-01 challenges or redirects until the relay restarts")
+			}
+			httpDone <- err
+		}()
+	}
+	certs.Start()
+	err := r.Serve(ctx, certs.Listener(ln))
+	cancel()
+	<-httpDone
+	return err
+}
+
 // relayFiles names the files runRelay opens: the certificate and key
 // (both or neither) and the usage ledger's.
 type relayFiles struct {
 	cert, key string
-	ledger    string // the usage ledger's file; empty: no ledger (--ledger-file none)
-	failClose bool   // budgets refuse while the ledger cannot write
+	// acme, if set, has the relay obtain its certificates by ACME
+	// (--domain); httpListen is then its HTTP side's address.
+	acme       *relay.ACMEConfig
+	httpListen string
+	ledger     string // the usage ledger's file; empty: no ledger (--ledger-file none)
+	failClose  bool   // budgets refuse while the ledger cannot write
 }
 
 // noLedger is the --ledger-file value that keeps no ledger.
 const noLedger = "none"
+
+// noHTTPListen is the --http-listen value that serves no plain HTTP.
+const noHTTPListen = "none"
+
+// acmeFlags are the relay's flags for certificates by ACME.
+type acmeFlags struct {
+	domains                  listFlag
+	httpListen               string
+	directory, email, caFile string
+	renewBefore              time.Duration
+}
+
+// acmeHTTPListen and acmeHTTPSListen are --http-listen's and --listen's
+// defaults with --domain: the ports the CA checks (80 for http-01, 443 for
+// tls-alpn-01) and clients expect for https://.
+const (
+	acmeHTTPListen  = ":80"
+	acmeHTTPSListen = ":443"
+)
+
+func (a *acmeFlags) register(fs *flag.FlagSet) {
+	fs.Var(&a.domains, "domain", "serve HTTPS with a certificate for this DNS `name`, obtained and renewed by ACME (Let's Encrypt unless --acme-directory), "+
+		"accepting the CA's terms of service; the CA must reach the relay by the name on port 80 (--http-listen) or 443 (--listen, then :443 by default); "+
+		"certificates are kept in acme/ in the relay's state directory (beside --identity, else $STATE_DIRECTORY or <user config dir>/computeflux); repeatable or comma-separated")
+	fs.StringVar(&a.httpListen, "http-listen", "", "with --domain: plain HTTP listen `address` for the ACME http-01 challenges, redirecting everything else to https (default :80; none: no plain HTTP, only tls-alpn-01 on --listen's port)")
+	fs.StringVar(&a.directory, "acme-directory", autocert.DefaultACMEDirectory, "with --domain: the ACME CA's directory `URL` (Let's Encrypt's staging: https://acme-staging-v02.api.letsencrypt.org/directory)")
+	fs.StringVar(&a.email, "acme-email", "", "with --domain: contact `address` given to the ACME CA for expiry and policy notices (default: none)")
+	fs.StringVar(&a.caFile, "acme-ca-file", "", "with --domain: PEM `file` of extra roots to trust for the ACME CA's own HTTPS (a private or test CA)")
+	fs.DurationVar(&a.renewBefore, "acme-renew-before", 0, "with --domain: renew a certificate this `long` before it expires, at most 720h (default: when a third of its lifetime is left, at most 720h)")
+}
+
+// config returns the ACME settings the flags give, nil without --domain.
+// given names the flags set on the command line or from the environment.
+func (a *acmeFlags) config(identity string, given map[string]bool, tf relayFiles, lookupEnv func(string) (string, bool)) (*relay.ACMEConfig, error) {
+	if !given["domain"] {
+		for _, f := range []string{"http-listen", "acme-directory", "acme-email", "acme-ca-file", "acme-renew-before"} {
+			if given[f] {
+				return nil, fmt.Errorf("--%s needs --domain", f)
+			}
+		}
+		return nil, nil
+	}
+	if len(a.domains) == 0 {
+		return nil, errors.New("--domain: empty name")
+	}
+	if tf.cert != "" || tf.key != "" {
+		return nil, errors.New("--domain obtains its own certificate: give it or --tls-cert/--tls-key, not both")
+	}
+	cfg := &relay.ACMEConfig{DirectoryURL: a.directory, Email: a.email, RenewBefore: a.renewBefore}
+	seen := map[string]bool{}
+	for _, d := range a.domains {
+		n, err := relay.CheckDomain(d)
+		if err != nil {
+			return nil, fmt.Errorf("--domain: %w", err)
+		}
+		if !seen[n] {
+			seen[n] = true
+			cfg.Domains = append(cfg.Domains, n)
+		}
+	}
+	if a.email != "" && (!strings.Contains(a.email, "@") || strings.ContainsAny(a.email, " \t\n<>,")) {
+		return nil, fmt.Errorf("--acme-email %q: want an address such as ops@example.com", a.email)
+	}
+	if a.renewBefore < 0 {
+		return nil, errors.New("--acme-renew-before must not be negative")
+	}
+	if a.caFile != "" {
+		pem, err := os.ReadFile(a.caFile)
+		if err != nil {
+			return nil, fmt.Errorf("--acme-ca-file: %w", err)
+		}
+		pool, err := x509.SystemCertPool()
+		if err != nil {
+			pool = x509.NewCertPool()
+		}
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("--acme-ca-file %s holds no PEM certificate", a.caFile)
+		}
+		cfg.RootCAs = pool
+	}
+	dir, err := relayStateDir(identity, lookupEnv)
+	if err != nil {
+		return nil, fmt.Errorf("no state directory for the ACME certificate cache (%w): give --identity FILE, the cache goes beside it", err)
+	}
+	cfg.CacheDir = filepath.Join(dir, "acme")
+	return cfg, nil
+}
 
 // relayStateDir is where a relay keeps the files no flag names: beside
 // its identity file when it has one (the installed unit's
@@ -172,7 +310,7 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	var ops operatorFlags
 	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&cfg.Listen, "listen", relay.DefaultListen, "HTTP listen `address` for the OpenAI API")
+	fs.StringVar(&cfg.Listen, "listen", relay.DefaultListen, "HTTP listen `address` for the OpenAI API (with --domain: HTTPS, default "+acmeHTTPSListen+")")
 	fs.StringVar(&p2pListen, "p2p-listen", strings.Join(relay.DefaultP2PListen, ","), "comma-separated libp2p listen `multiaddrs` for agents")
 	fs.StringVar(&cfg.IdentityFile, "identity", "", "Ed25519 identity `file` (created on first run; empty: ephemeral)")
 	fs.StringVar(&token, "token", "", "agents' join `secret` (prefer --token-file)")
@@ -195,6 +333,8 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.StringVar(&cfg.MetricsKey, "metrics-key", "", "bearer `key` required on /metrics (empty: /metrics is public)")
 	fs.StringVar(&tf.cert, "tls-cert", "", "serve HTTPS with this PEM certificate chain `file` (with --tls-key)")
 	fs.StringVar(&tf.key, "tls-key", "", "PEM private key `file` for --tls-cert")
+	var acmeF acmeFlags
+	acmeF.register(fs)
 	fs.StringVar(&tf.ledger, "ledger-file", "", "usage ledger `file` (bbolt; created if absent): who used and served what, and clients' budgets (default: <identity file's stem>-usage.db beside --identity, else relay-usage.db in $STATE_DIRECTORY or <user config dir>/computeflux; none: no ledger)")
 	fs.BoolVar(&tf.failClose, "ledger-fail-closed", false, "refuse clients with a budget while the ledger cannot write its file (default: serve them on the counts in memory)")
 	ops.register(fs)
@@ -223,6 +363,18 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	}
 	if err := flagsFromEnv(fs, lookupEnv); err != nil {
 		return cfg, tf, fmt.Errorf("relay: %w", err)
+	}
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	var err error
+	if tf.acme, err = acmeF.config(cfg.IdentityFile, given, tf, lookupEnv); err != nil {
+		return cfg, tf, fmt.Errorf("relay: %w", err)
+	}
+	if tf.acme != nil {
+		if !given["listen"] {
+			cfg.Listen = acmeHTTPSListen
+		}
+		tf.httpListen = cmp.Or(acmeF.httpListen, acmeHTTPListen)
 	}
 
 	for _, a := range strings.Split(p2pListen, ",") {
