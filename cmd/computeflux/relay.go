@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -33,6 +34,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	tuneGC(os.LookupEnv)
 	var certs *relay.ACME
 	if files.acme != nil {
+		files.acme.Logger = cfg.Logger.With().Str("component", "acme").Logger()
 		// Before anything starts: a cache it cannot write is a start-up error.
 		if certs, err = relay.NewACME(*files.acme); err != nil {
 			return err
@@ -181,6 +183,9 @@ func (a *acmeFlags) config(identity string, given map[string]bool, tf relayFiles
 			seen[n] = true
 			cfg.Domains = append(cfg.Domains, n)
 		}
+	}
+	if u, err := url.Parse(a.directory); err != nil || u.Scheme != "https" || u.Host == "" {
+		return nil, fmt.Errorf("--acme-directory %q: want the https:// URL of an ACME directory", a.directory)
 	}
 	if a.email != "" && (!strings.Contains(a.email, "@") || strings.ContainsAny(a.email, " \t\n<>,")) {
 		return nil, fmt.Errorf("--acme-email %q: want an address such as ops@example.com", a.email)
