@@ -136,7 +136,7 @@ if [ "$live" = 1 ] && ! getent passwd "$user" >/dev/null; then
 fi
 
 # Units: hardened, restarted on failure, state in /var/lib/computeflux.
-unit() { # unit NAME DESCRIPTION
+unit() { # unit NAME DESCRIPTION [CAPABILITIES]
   cat <<EOF
 [Unit]
 Description=$2
@@ -175,8 +175,8 @@ RestrictSUIDSGID=yes
 LockPersonality=yes
 MemoryDenyWriteExecute=yes
 SystemCallArchitectures=native
-CapabilityBoundingSet=
-AmbientCapabilities=
+CapabilityBoundingSet=${3:-}
+AmbientCapabilities=${3:-}
 UMask=0027
 LimitNOFILE=65536
 
@@ -184,7 +184,8 @@ LimitNOFILE=65536
 WantedBy=multi-user.target
 EOF
 }
-unit relay "ComputeFlux relay: the OpenAI API for clients, the join point for agents" >"$work/relay.unit"
+# The relay may bind ports below 1024 (:80 and :443 with --domain), nothing else.
+unit relay "ComputeFlux relay: the OpenAI API for clients, the join point for agents" CAP_NET_BIND_SERVICE >"$work/relay.unit"
 unit agent "ComputeFlux agent: serves the local inference engine to a relay" >"$work/agent.unit"
 put "$work/relay.unit" "$unitdir/computeflux-relay.service" 644
 put "$work/agent.unit" "$unitdir/computeflux-agent.service" 644
@@ -202,7 +203,13 @@ COMPUTEFLUX_ADDR_FILE=/var/lib/computeflux/relay.addrs
 # The usage ledger is on: /var/lib/computeflux/relay-usage.db, beside the
 # identity (computeflux usage reads it through the admin API). To keep none:
 #COMPUTEFLUX_LEDGER_FILE=none
-# A public relay must use TLS (clients send API keys):
+# A public relay must use TLS (clients send API keys): a certificate by
+# ACME (Let's Encrypt; the API then on :443, the CA's http-01 checks and
+# redirects on :80, certificates in /var/lib/computeflux/acme; comment out
+# COMPUTEFLUX_LISTEN above or set it to :443)...
+#COMPUTEFLUX_DOMAIN=relay.example.com
+#COMPUTEFLUX_ACME_EMAIL=ops@example.com
+# ...or certificate files:
 #COMPUTEFLUX_TLS_CERT=/etc/computeflux/tls.crt
 #COMPUTEFLUX_TLS_KEY=/etc/computeflux/tls.key
 EOF

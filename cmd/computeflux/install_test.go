@@ -127,6 +127,16 @@ func TestInstallScript(t *testing.T) {
 				t.Errorf("%s lacks %s", u, want)
 			}
 		}
+		// Only the relay may bind :80 and :443 (--domain); the agent gets no capability.
+		caps := ""
+		if u == "computeflux-relay.service" {
+			caps = "CAP_NET_BIND_SERVICE"
+		}
+		for _, want := range []string{"\nAmbientCapabilities=" + caps + "\n", "\nCapabilityBoundingSet=" + caps + "\n"} {
+			if !strings.Contains(string(b), want) {
+				t.Errorf("%s lacks %q", u, strings.TrimSpace(want))
+			}
+		}
 	}
 
 	// The settings are what the commands accept.
