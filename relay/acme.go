@@ -93,6 +93,9 @@ func NewACME(cfg ACMEConfig) (*ACME, error) {
 		return nil, fmt.Errorf("relay: ACME certificate cache: %w", err)
 	}
 	tr := http.DefaultTransport.(*http.Transport).Clone()
+	// A few requests a renewal: no connection kept, none left behind by
+	// one under way at Close.
+	tr.DisableKeepAlives = true
 	tr.TLSClientConfig = &tls.Config{MinVersion: tls.VersionTLS12, RootCAs: cfg.RootCAs}
 	a := &ACME{cfg: cfg, tr: tr}
 	whitelist := autocert.HostWhitelist(cfg.Domains...)

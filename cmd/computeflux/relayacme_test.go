@@ -41,7 +41,6 @@ func TestRelayACMECertificatesFromPebble(t *testing.T) {
 		validity  = 30 // seconds, Pebble's certificates
 		renewLead = "27s"
 	)
-	deadline := time.Now().Add(60 * time.Second)
 	dir := t.TempDir()
 
 	// Pebble's own HTTPS (its ACME API and management interface) with a
@@ -64,6 +63,8 @@ func TestRelayACMECertificatesFromPebble(t *testing.T) {
 		"tlsPort":                 mustAtoi(t, closedPort),
 		"profiles":                map[string]any{"default": map[string]any{"description": "short-lived, for renewals", "validityPeriod": validity}},
 	})
+	// Every wait from here on: Pebble up, two certificates, a renewal.
+	deadline := time.Now().Add(60 * time.Second)
 	roots := pebbleRoots(t, caFile, mgmtAddr, deadline)
 
 	var logs lockedBuffer
