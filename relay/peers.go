@@ -4,7 +4,7 @@ package relay
 //
 // Relays learn each other from the agents that joined them (every agent's
 // join info lists all its relays) and from PeersConfig.Relays. A relay
-// keeps one outbound SessionsProtocol stream to every peer relay it knows:
+// keeps one outbound transport.SessionsProtocol stream to every peer relay it knows:
 // both sides prove the join secret (transport.Handshake, mutual), then the
 // dialer sends the bindings it holds and, from then
 // on, batches of binding updates (every local new binding or move, and a
@@ -30,8 +30,8 @@ package relay
 // Frames are transport.Framing's (at most maxPeerFrame). The handshake is
 // transport.Handshake's, mutual, the reader accepting and the dialer
 // initiating with no payload; then bindings frames (encodeBindings; a
-// table ends with an empty one) and spending frames (SessionsProtocol
-// only, not sessionsProtocolV2), dialer -> reader only.
+// table ends with an empty one) and spending frames (transport.SessionsProtocol
+// only, not transport.SessionsProtocolV2), dialer -> reader only.
 
 import (
 	"bufio"
@@ -53,7 +53,6 @@ import (
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/libp2p/go-libp2p/core/peerstore"
-	"github.com/libp2p/go-libp2p/core/protocol"
 	ma "github.com/multiformats/go-multiaddr"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -61,14 +60,6 @@ import (
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
-
-// SessionsProtocol carries session bindings, and what clients with a
-// budget spent, from one relay to a peer relay.
-const SessionsProtocol protocol.ID = "/computeflux/sessions/3.0.0"
-
-// sessionsProtocolV2 is SessionsProtocol without spending: relays of the
-// previous version still share bindings with this one.
-const sessionsProtocolV2 protocol.ID = "/computeflux/sessions/2.0.0"
 
 // Defaults for the zero values of PeersConfig.
 const (
@@ -135,7 +126,7 @@ const (
 	peerSyncWait    = 2 * time.Second
 	peerProofLabel  = "computeflux relay peer proof"
 	msgPeerBindings = transport.FrameProtocol
-	msgPeerSpent    = transport.FrameProtocol + 1 // SessionsProtocol only, not V2
+	msgPeerSpent    = transport.FrameProtocol + 1 // transport.SessionsProtocol only, not V2
 	maxPeerClient   = 256                         // longest client name in a spending report
 )
 
@@ -249,14 +240,14 @@ func (pm *peerManager) start() {
 		go pm.run(l)
 	}
 	pm.mu.Unlock()
-	pm.r.host.SetStreamHandler(SessionsProtocol, pm.handle)
-	pm.r.host.SetStreamHandler(sessionsProtocolV2, pm.handle)
+	pm.r.host.SetStreamHandler(transport.SessionsProtocol, pm.handle)
+	pm.r.host.SetStreamHandler(transport.SessionsProtocolV2, pm.handle)
 }
 
 // stop removes the handler and ends every link; wait waits for them.
 func (pm *peerManager) stop() {
-	pm.r.host.RemoveStreamHandler(SessionsProtocol)
-	pm.r.host.RemoveStreamHandler(sessionsProtocolV2)
+	pm.r.host.RemoveStreamHandler(transport.SessionsProtocol)
+	pm.r.host.RemoveStreamHandler(transport.SessionsProtocolV2)
 	pm.mu.Lock()
 	pm.closed = true
 	pm.mu.Unlock()
@@ -520,7 +511,7 @@ func (pm *peerManager) session(l *peerLink) error {
 	if err := h.Connect(network.WithForceDirectDial(cctx, "computeflux peer relay"), ai); err != nil {
 		return fmt.Errorf("connect: %w", err)
 	}
-	s, err := h.NewStream(cctx, l.id, SessionsProtocol, sessionsProtocolV2)
+	s, err := h.NewStream(cctx, l.id, transport.SessionsProtocol, transport.SessionsProtocolV2)
 	if err != nil {
 		return fmt.Errorf("open stream: %w", err)
 	}
@@ -569,7 +560,7 @@ func (pm *peerManager) session(l *peerLink) error {
 	// secret, which every contributor holds.
 	var spentTick <-chan time.Time
 	var spent spentSender
-	if l.seed.Load() && pm.r.cfg.Ledger != nil && s.Protocol() == SessionsProtocol {
+	if l.seed.Load() && pm.r.cfg.Ledger != nil && s.Protocol() == transport.SessionsProtocol {
 		t := time.NewTicker(pm.cfg.SpentInterval)
 		defer t.Stop()
 		spentTick = t.C
@@ -792,7 +783,7 @@ func (pm *peerManager) handle(s network.Stream) {
 		if err != nil {
 			return
 		}
-		if typ == msgPeerSpent && s.Protocol() == SessionsProtocol {
+		if typ == msgPeerSpent && s.Protocol() == transport.SessionsProtocol {
 			if err := pm.recvSpent(l, body); err != nil {
 				pm.r.log.Warn().Err(err).Stringer("peer_relay", p).Msg("bad spending frame")
 				return

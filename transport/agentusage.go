@@ -12,21 +12,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
-	"github.com/libp2p/go-libp2p/core/protocol"
 )
-
-// AgentUsageProtocol lets an agent's owner ask a relay what the agent
-// served (`computeflux agent usage`), and nothing about anyone else.
-//
-// The asker needs no running agent: it dials from a host of its own (any
-// identity), runs the framed handshake proving the join secret, and sends
-// as the hello's payload an AgentUsageRequest naming the agent's peer ID
-// with the agent key's signature over the protocol's label, the relay's
-// peer ID and the asker's peer ID. The signature proves the asker holds
-// the agent's key; binding it to both peer IDs (which libp2p
-// authenticates) makes it worthless on any other connection. The relay
-// answers with one frame: the report as JSON, or a reject with the reason.
-const AgentUsageProtocol protocol.ID = "/computeflux/agent-usage/1.0.0"
 
 const (
 	agentUsageVersion byte = 1

@@ -18,4 +18,22 @@ const (
 	// its engine holds) to a relay: a snapshot, then batched deltas (see
 	// AppendPrefixFrame). The agent opens it after joining.
 	PrefixProtocol protocol.ID = "/computeflux/prefix/1.0.0"
+	// SessionsProtocol carries session bindings, and what clients with a
+	// budget spent, from one relay to a peer relay (relay/peers.go).
+	SessionsProtocol protocol.ID = "/computeflux/sessions/3.0.0"
+	// SessionsProtocolV2 is SessionsProtocol without spending: relays of
+	// the previous version still share bindings with this one.
+	SessionsProtocolV2 protocol.ID = "/computeflux/sessions/2.0.0"
+	// AgentUsageProtocol lets an agent's owner ask a relay what the agent
+	// served (`computeflux agent usage`), and nothing about anyone else.
+	//
+	// The asker needs no running agent: it dials from a host of its own (any
+	// identity), runs the framed handshake proving the join secret, and sends
+	// as the hello's payload an AgentUsageRequest naming the agent's peer ID
+	// with the agent key's signature over the protocol's label, the relay's
+	// peer ID and the asker's peer ID. The signature proves the asker holds
+	// the agent's key; binding it to both peer IDs (which libp2p
+	// authenticates) makes it worthless on any other connection. The relay
+	// answers with one frame: the report as JSON, or a reject with the reason.
+	AgentUsageProtocol protocol.ID = "/computeflux/agent-usage/1.0.0"
 )
