@@ -22,6 +22,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/transport"
 )
 
@@ -226,6 +227,7 @@ func startGAgentVia(t testing.TB, relayAddr, name string, e *gEngine, tune func(
 // running; with the relay ignoring gossip's verdict the agent was still
 // routed 3 minutes later.
 func TestGossipDetectsSilencedAgent(t *testing.T) {
+	slow.Gate(t, "silences agents and waits on gossip to notice")
 	t.Parallel() // waits on gossip timers, in its own relay and agents
 	const n = 5
 	res := runCrash(t, n, transport.GossipPresetLocal, gFastTune, 0)
@@ -275,4 +277,15 @@ func TestGossipMeasure(t *testing.T) {
 	mean /= float64(len(rates))
 	t.Logf("home preset, relay + 5 agents, %d runs: detection median %v (min %v, max %v); convergence median %v (min %v, max %v); gossip bytes/s sent per node mean %.0f (min %.0f, max %.0f)",
 		runs, med(detect), slices.Min(detect), slices.Max(detect), med(converge), slices.Min(converge), slices.Max(converge), mean, rates[0], rates[len(rates)-1])
+	// The home preset's bounds: a member nobody else confirms dead is
+	// declared dead when its suspicion runs out, at most
+	// SuspicionMaxTimeoutMult times the minimum (4 x 8 s), after a failed
+	// probe (2 s) and before gossip spreads it (well under a second here);
+	// its traffic is a few hundred bytes a second per node.
+	if m := med(detect); m > 36*time.Second {
+		t.Errorf("home preset: detection median %v, want at most 36 s (32 s of suspicion, a probe, the spread)", m)
+	}
+	if mean > 400 {
+		t.Errorf("home preset: %.0f gossip bytes/s sent per node, want at most 400", mean)
+	}
 }
