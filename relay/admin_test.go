@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -307,6 +308,7 @@ func TestAdminDrain(t *testing.T) {
 // Home tier saturated or down: overflow to the provider costs no failed
 // request; when home recovers, new sessions return to it.
 func TestTierOverflowThroughRelay(t *testing.T) {
+	slow.Gate(t, "fills a tier and waits on breakers")
 	fp := newFakeProvider(t, "cloud", []string{"m1"}, "k1")
 	tb, _ := providerBed(t, nil, fmt.Sprintf("endpoints:\n  - {name: cloud, url: %s, keys: [k1], models: [m1], weight: 50}\n", fp.url()),
 		func(c *Config) { c.Scheduler.Cooldown = 200 * time.Millisecond })

@@ -16,6 +16,7 @@ import (
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/ledger"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // anthropicSDKVersion pins Anthropic's TypeScript SDK the test runs.
@@ -59,6 +60,7 @@ type anthropicSeen struct {
 // with the reason, when node or npm is missing or the registry is out of
 // reach (and for llama.cpp, as the real-engine tests are).
 func TestAnthropicSDK(t *testing.T) {
+	slow.Gate(t, "installs and runs the Anthropic SDK on Node")
 	t.Parallel() // waits on npm and node, with its own relays
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()

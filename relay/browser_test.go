@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // cdp drives a headless Chromium over the DevTools protocol on a pipe
@@ -189,6 +191,7 @@ func (c *cdp) waitEval(session, what, expr, want string) {
 // requests come. With COMPUTEFLUX_SCREENSHOT=FILE it saves a screenshot
 // (the README's).
 func TestStatusPageBrowser(t *testing.T) {
+	slow.Gate(t, "drives headless chromium")
 	fp := newFakeProvider(t, "cloud-api", []string{"m1"}, "k1", "k2")
 	tb, _ := providerBed(t, []string{"gpu-attic", "gpu-desk", "gpu-garage"},
 		fmt.Sprintf("endpoints:\n  - {name: cloud-api, url: %s, keys: [k1, k2], models: [m1], max_concurrency: 64}\n", fp.url()),
@@ -269,6 +272,7 @@ func TestStatusPageBrowser(t *testing.T) {
 // The status page shows who waits for room: a heavy client's backlog and
 // a light client's request behind the one request the agent can take.
 func TestStatusPageShowsQueue(t *testing.T) {
+	slow.Gate(t, "drives headless chromium")
 	tb, g := queueBed(t, func(c *Config) { c.AdminKey = adminKey }, queueClients)
 	srv := adminServer(t, tb.relay)
 	br := startChromium(t)
@@ -302,6 +306,7 @@ func TestStatusPageShowsQueue(t *testing.T) {
 // The status page shows the ledger's last day by client and by agent, with
 // the share of prompt tokens the cache served.
 func TestStatusPageShowsUsage(t *testing.T) {
+	slow.Gate(t, "drives headless chromium")
 	l := openLedger(t, filepath.Join(t.TempDir(), "ledger.db"))
 	tb, _ := providerBed(t, []string{"gpu-attic"}, "endpoints: []\n", func(c *Config) {
 		c.AdminKey = adminKey

@@ -20,6 +20,7 @@ import (
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/relaytest"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/scheduler"
 )
 
@@ -171,9 +172,7 @@ func chaosRequest(c *http.Client, url, key, session string, stream bool) chaosRe
 }
 
 func TestChaosUnderLoad(t *testing.T) {
-	if testing.Short() {
-		t.Skip("chaos run skipped in -short mode")
-	}
+	slow.Gate(t, "faults under load for its duration")
 	fdBefore := countFDs(t)
 	ignore := goleak.IgnoreCurrent()
 

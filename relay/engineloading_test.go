@@ -13,6 +13,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // TestEngineLoadingThroughRealParts: an engine that is still loading when
@@ -22,6 +23,7 @@ import (
 // once the engine has loaded, the agent identifies it again and the relay
 // routes the Responses API, which only a recognised engine gets, to it.
 func TestEngineLoadingThroughRealParts(t *testing.T) {
+	slow.Gate(t, "waits on an engine loading its model")
 	eng, stopEngine := runSimEngine(t)
 	defer stopEngine()
 	target, err := url.Parse(eng.URL())

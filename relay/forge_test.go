@@ -24,6 +24,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/transport"
 )
 
@@ -236,6 +237,7 @@ func victimHealthy(gr *itRelay, victim peer.ID) bool {
 }
 
 func TestForgedGossipAboutAnotherAgent(t *testing.T) {
+	slow.Gate(t, "waits on gossip rounds over QUIC")
 	t.Parallel() // waits on gossip timers, in its own relay and agents
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
 	dir := t.TempDir()

@@ -22,6 +22,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -262,6 +263,7 @@ func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset st
 // TestGossipDrivesRouting runs a relay and 5 agents and walks through the
 // membership life cycle as the relay's routing table sees it.
 func TestGossipDrivesRouting(t *testing.T) {
+	slow.Gate(t, "waits on gossip rounds over QUIC")
 	t.Parallel() // waits on gossip timers, in its own relay and agents
 	gr, agents, took := startGCluster(t, 5, gFastTune, transport.GossipPresetLocal)
 	t.Logf("5 agents alive with metadata at the relay %v after the first start", took)

@@ -22,6 +22,7 @@ import (
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/relaytest"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -239,9 +240,7 @@ func TestStreamingAgentWithoutEchoIsNotSilent(t *testing.T) {
 // would take about 11 s. Two runs by default;
 // COMPUTEFLUX_LIVENESS_MEASURE=1 makes ten.
 func TestSilentIdleAgentDetection(t *testing.T) {
-	if testing.Short() {
-		t.Skip("kills agents over QUIC")
-	}
+	slow.Gate(t, "kills idle agents and waits on liveness")
 	t.Parallel() // waits on the liveness timers, in its own cluster
 	ctx := context.Background()
 	cl, err := relaytest.Start(ctx, relaytest.Config{Engines: 2, Engine: simengine.Config{TimeScale: 100}})

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // TestOpenAINodeClient drives the relay with the official OpenAI client for
@@ -16,6 +18,7 @@ import (
 // with the reason, when node or npm is missing or the registry is out of
 // reach.
 func TestOpenAINodeClient(t *testing.T) {
+	slow.Gate(t, "installs and runs the OpenAI SDK on Node")
 	t.Parallel() // waits on npm and node, with its own relay
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()

@@ -22,6 +22,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/peer"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/transport"
 )
 
@@ -107,6 +108,7 @@ func freeTCP(t *testing.T) string {
 // do. The child is SIGKILLed under load and started again: no request
 // fails, and the restarted relay routes again soon after its start.
 func TestPeerRelayKilledUnderLoad(t *testing.T) {
+	slow.Gate(t, "SIGKILLs a relay process under load")
 	if os.Getenv(envRelayProcess) == "1" {
 		t.Skip("inside the relay process")
 	}

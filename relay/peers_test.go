@@ -17,6 +17,7 @@ import (
 	ma "github.com/multiformats/go-multiaddr"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // These tests run several real relays and real agents (package agent),
@@ -353,6 +354,7 @@ func TestPeerRelaySeedAndSecret(t *testing.T) {
 // before the table wait for it instead of going to an agent that holds
 // nothing of the conversation.
 func TestPeerRelayRestartWaitsForBindings(t *testing.T) {
+	slow.Gate(t, "restarts a relay and waits on its peers")
 	t.Parallel() // waits on relays meeting, in its own relays and agents
 	mc := startMulti(t, 2, 3)
 	hc := &http.Client{Timeout: 30 * time.Second}

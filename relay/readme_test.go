@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // readmeBlocks returns the README's fenced code blocks of a language.
@@ -33,9 +35,7 @@ func readmeBlocks(t *testing.T, lang string) []string {
 // with the official OpenAI client and Anthropic's SDK (skipped with the reason when node, npm
 // or the registry is missing).
 func TestREADMEClients(t *testing.T) {
-	if testing.Short() {
-		t.Skip("skipped in -short mode: starts a cluster and installs the npm package openai")
-	}
+	slow.Gate(t, "runs the README's curl and Node examples")
 	t.Parallel() // waits on npm and client processes, with its own relay
 	rl := startRelay(t, "", "")
 	a, b := startSimAgent(t, rl, "readme-1"), startSimAgent(t, rl, "readme-2")

@@ -15,6 +15,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // simAgent is a sim engine on a loopback port with a package agent in front
@@ -228,6 +229,7 @@ func TestResponsesThroughRealParts(t *testing.T) {
 // is skipped, with the reason, when node or npm is missing or the registry
 // is out of reach.
 func TestOpenAINodeResponses(t *testing.T) {
+	slow.Gate(t, "installs and runs the OpenAI SDK's Responses calls on Node")
 	t.Parallel() // waits on npm and node, with its own relay
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // curlRE takes the printed curl line apart: URL, the three headers, body.
@@ -18,9 +20,7 @@ var curlRE = regexp.MustCompile(`^curl -sN (\S+) -H "Authorization: Bearer (\S+)
 // The demo prints a relay URL, a key and a curl line that work, prints the
 // comparison table and stops when asked.
 func TestDemo(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts clusters over QUIC")
-	}
+	slow.Gate(t, "starts clusters over QUIC")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	pr, pw := io.Pipe()

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/scheduler"
 )
 
@@ -13,9 +14,7 @@ import (
 // more of the cache than round-robin on multi-turn chat, and the engines
 // see exactly the prompts the simulation builds.
 func TestLiveStickyBeatsRoundRobin(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a cluster over QUIC")
-	}
+	slow.Gate(t, "starts a cluster over QUIC")
 	cfg, rp := runLiveStickyRoundRobin(t, 0)
 	if sticky := rp.Results[0]; sticky.HitRatio > rp.Oracle+1e-9 {
 		t.Fatalf("sticky's hit ratio %.3f is above the oracle's %.3f", sticky.HitRatio, rp.Oracle)

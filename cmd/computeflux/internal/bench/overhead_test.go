@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 func TestProcCPUReadsOwnProcess(t *testing.T) {
@@ -83,9 +85,7 @@ func TestStubEngineAnswers(t *testing.T) {
 // benchmark through real processes: Go's reverse proxy, the stock floor's
 // two sides, and a relay and an agent.
 func TestRunOverheadEndToEnd(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds the computeflux binary; skipped with -short")
-	}
+	slow.Gate(t, "builds the binary and measures the relay path")
 	bin := filepath.Join(t.TempDir(), "computeflux")
 	out, err := exec.Command("go", "build", "-o", bin, "github.com/computeflux/computeflux/cmd/computeflux").CombinedOutput()
 	if err != nil {

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/scheduler"
 )
 
@@ -54,9 +55,7 @@ func TestSimRelaysShareBindings(t *testing.T) {
 // A short live run over three real relays, requests at random over them:
 // sticky still beats round-robin, nothing fails, and bindings flow.
 func TestLiveRelays(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts relays and agents over QUIC")
-	}
+	slow.Gate(t, "starts relays and agents over QUIC")
 	_, rp := runLiveStickyRoundRobin(t, 3)
 	if sticky := rp.Results[0]; sticky.BindingUpdates == 0 {
 		t.Fatalf("sticky over 3 relays: no binding updates")

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // writeConversationTrace writes a Mooncake-shaped trace of n requests:
@@ -58,9 +59,7 @@ func writeConversationTrace(t *testing.T, n int) string {
 // agent's index predicted and evict what it thought held, the case that
 // once panicked in the index. Every request must be answered.
 func TestTraceReplayFastEveryPolicy(t *testing.T) {
-	if testing.Short() {
-		t.Skip("replays a trace through every policy")
-	}
+	slow.Gate(t, "replays a trace through every policy")
 	cfg := Config{Mode: ModeSim, TracePath: writeConversationTrace(t, 1500), Engines: 8,
 		Trace: TraceConfig{Speed: 16, MaxOutput: 64, Keyless: true}, Engine: simengine.EngineConfig{CacheBlocks: 2048}}
 	rp, err := Run(context.Background(), cfg)

@@ -8,6 +8,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent/llamaengine"
 	"github.com/computeflux/computeflux/agent/llamaengine/llamatest"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/scheduler/audit"
 )
 
@@ -29,9 +30,7 @@ import (
 // --scenario audit that run longer show the share in the last 30 s of 150
 // s and the honest agents' shares with audits on and off.
 func TestAuditRealProcesses(t *testing.T) {
-	if testing.Short() {
-		t.Skip("runs the computeflux binary as processes")
-	}
+	slow.Gate(t, "runs the computeflux binary as processes")
 	groups := []AuditGroup{{Honest: 3, Liars: 1}}
 	if err := llamaengine.Available(""); err == nil {
 		groups = append(groups, AuditGroup{Honest: 3, Fronts: 1, Llama: true}, AuditGroup{Honest: 2, Liars: 1, Llama: true},

@@ -11,9 +11,12 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
-// binary is the computeflux executable TestMain built, or "" when -short.
+// binary is the computeflux executable TestMain built, or "" when the
+// slow tests do not run.
 var binary string
 
 func TestMain(m *testing.M) {
@@ -28,7 +31,7 @@ func runMain(m *testing.M) int {
 		return 1
 	}
 	defer os.RemoveAll(dir)
-	if !testing.Short() {
+	if slow.Enabled() {
 		binary = filepath.Join(dir, "computeflux")
 		cmd := exec.Command("go", "build", "-o", binary, "github.com/computeflux/computeflux/cmd/computeflux")
 		cmd.Stderr = os.Stderr
@@ -50,9 +53,7 @@ func runMain(m *testing.M) int {
 // table, given new sessions, and serving every request sent while the
 // others are drained. No process may panic (recovered or not).
 func TestChaosRealProcesses(t *testing.T) {
-	if testing.Short() {
-		t.Skip("runs the computeflux binary as processes")
-	}
+	slow.Gate(t, "runs the computeflux binary as processes")
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
 	res, err := Run(ctx, Config{Binary: binary, Progress: testWriter{t}})

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // The usage ledger through real processes: a relay with no ledger flag (the
@@ -64,9 +65,7 @@ const ledgerFlush = 2 * time.Second
 const lossWindow = ledgerFlush + time.Second
 
 func TestLedgerRealProcesses(t *testing.T) {
-	if testing.Short() {
-		t.Skip("runs the computeflux binary as processes")
-	}
+	slow.Gate(t, "runs the computeflux binary as processes")
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	dir := t.TempDir()

@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // The overload scenario through real processes, short: two relays, two
@@ -17,9 +19,7 @@ import (
 // time to first token under the flood equals the heavy client's, and the
 // restarted relay answers 503 until its agents rejoin.
 func TestOverloadRealProcesses(t *testing.T) {
-	if testing.Short() {
-		t.Skip("runs the computeflux binary as processes")
-	}
+	slow.Gate(t, "runs the computeflux binary as processes")
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	res, err := RunOverload(ctx, OverloadConfig{Binary: binary, Relays: 2, Phase: 8 * time.Second, HeavySpread: 0.5,

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/transport/internal/netlab"
 )
 
@@ -27,6 +28,7 @@ import (
 // keep the test short; what convicts is the count of voices, not the
 // pace.
 func TestAuditSybilsBehindOneAddress(t *testing.T) {
+	slow.Gate(t, "network namespaces and real processes")
 	bin := binary(t)
 	eim := netlab.EndpointIndependent
 	dir, err := os.MkdirTemp("", "natlab-audit")

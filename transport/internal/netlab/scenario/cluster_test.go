@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/transport/internal/netlab"
 )
 
@@ -216,6 +217,7 @@ func msStr(d time.Duration) string { return fmt.Sprintf("%.0f", float64(d)/float
 // home leaves the rotation and comes back after the link heals, and agents
 // serve again after the relay restarts.
 func TestCluster(t *testing.T) {
+	slow.Gate(t, "network namespaces and real processes")
 	eim, sym := netlab.EndpointIndependent, netlab.Symmetric
 	c := newCluster(t, eim, eim, sym).Cluster
 	steps := []struct {
@@ -617,6 +619,7 @@ func testRelayRestart(t *testing.T, c *Cluster, crash bool) {
 // the agents' gossip takes: direct between endpoint-independent NATs,
 // through the relay's circuit with a symmetric NAT on one side.
 func TestGossipPath(t *testing.T) {
+	slow.Gate(t, "network namespaces and real processes")
 	binary(t)
 	if os.Getenv("CF_NATLAB_RUNS") == "" {
 		t.Skip("TestCluster covers each pairing once; set CF_NATLAB_RUNS for repeated runs (scripts/natlab.sh)")

@@ -11,6 +11,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/transport/internal/netlab"
 )
 
@@ -51,6 +52,7 @@ func runs(t *testing.T) int {
 // streams take it; with a symmetric NAT on either side the punch fails and
 // streams still flow over the relayed, limited connection.
 func TestHolePunch(t *testing.T) {
+	slow.Gate(t, "network namespaces, fresh labs per run")
 	if err := netlab.Available(); err != nil {
 		t.Skipf("skipping NAT lab: %v", err)
 	}
