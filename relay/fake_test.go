@@ -187,6 +187,11 @@ func newTestbed(t testing.TB, names []string, edit func(*Config)) *testbed {
 		Transport: tb.ft,
 		APIKeys:   []string{"sk-other", testKey},
 		Logger:    zerolog.New(tb.logs),
+		// A request for a model no agent serves waits this long after the
+		// start for agents to rejoin (the restart hold) before its 404;
+		// the testbed's agents are there from the start. The hold's own
+		// tests set it.
+		RestartHold: 250 * time.Millisecond,
 	}
 	cfg.Scheduler.Seed = 1
 	if edit != nil {

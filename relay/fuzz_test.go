@@ -170,7 +170,8 @@ func (c *chunkReader) Read(p []byte) (int, error) {
 func newFuzzRelay() (*Relay, *cannedTransport) {
 	ct := &cannedTransport{status: 200, ctype: "application/json", body: []byte("{}")}
 	r, err := New(Config{NoP2P: true, NoAuth: true, Transport: ct, Logger: zerolog.Nop(),
-		IdleTimeout: 5 * time.Second, TTFBTimeout: 5 * time.Second})
+		IdleTimeout: 5 * time.Second, TTFBTimeout: 5 * time.Second,
+		RestartHold: time.Millisecond}) // a model no agent serves: its 404 without the restart's wait for agents
 	if err != nil {
 		panic(err)
 	}

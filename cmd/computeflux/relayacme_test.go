@@ -25,6 +25,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
 // The relay's own certificates by ACME, against a real ACME CA: Pebble,
@@ -35,6 +37,7 @@ import (
 // (--acme-renew-before 27s) renews them within the test, without a
 // restart, and a new connection sees the new serial.
 func TestRelayACMECertificatesFromPebble(t *testing.T) {
+	slow.Gate(t, "builds and runs Pebble, a test ACME server")
 	const (
 		domain    = "relay.computeflux.test"
 		domain2   = "api.computeflux.test"
