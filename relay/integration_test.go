@@ -264,6 +264,7 @@ func (c *client) models() []string {
 }
 
 func TestIntegrationRouting(t *testing.T) {
+	t.Parallel() // waits on agents over QUIC, in its own relay
 	rl := startRelay(t, "", "")
 	// a, b, c are package agent Agents; d is a bare transport-level agent
 	// whose host the test can close without any goodbye.
@@ -519,6 +520,7 @@ func TestIntegrationRelayRestart(t *testing.T) {
 }
 
 func TestIntegrationErrors(t *testing.T) {
+	t.Parallel() // waits on agents over QUIC, in its own relay
 	rl := startRelay(t, "", "")
 	good := newITEngine(t, "good", "m1")
 	bad := &itEngine{name: "bad", models: []string{"m1", "m-bad"}}

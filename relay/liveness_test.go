@@ -189,6 +189,7 @@ func TestSilentAgentEndsStreamWithErrorEvent(t *testing.T) {
 // busy connection may hold a new ping stream back). Its stream, longer
 // than the silence bound, ends with [DONE].
 func TestStreamingAgentWithoutEchoIsNotSilent(t *testing.T) {
+	t.Parallel() // waits on agents over QUIC, in its own relay
 	rl := startRelayLogger(t, zerolog.New(io.Discard))
 	h := newHostOpts(t, libp2p.Ping(false)) // no echo, ever
 	relayID := rl.info().ID

@@ -32,6 +32,7 @@ const oneViewBound = 5 * time.Second
 // /metrics, /healthz and the admin API's table stop counting it at the
 // same moment, not when the relay gives up on it seconds later.
 func TestOperatorViewFollowsRouter(t *testing.T) {
+	t.Parallel() // waits on agents over QUIC, in its own relay
 	ctx := context.Background()
 	const adminKey = "sk-admin-oneview"
 	cl, err := relaytest.Start(ctx, relaytest.Config{Engines: 2, Engine: simengine.Config{TimeScale: 100}, AdminKey: adminKey})
@@ -150,6 +151,7 @@ func scrapeGauge(t testing.TB, url, name string) float64 {
 // the agent silent and after it answers again: the liveness verdict changes
 // the agent's suspicion, never the operator's word.
 func TestOperatorDrainSurvivesSilence(t *testing.T) {
+	t.Parallel() // waits on agents over QUIC, in its own relay
 	rl := startRelayLogger(t, zerolog.New(io.Discard))
 	// No ping service: the relay's probes go unanswered, as a frozen
 	// process's.

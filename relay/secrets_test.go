@@ -37,6 +37,7 @@ func (l *lockedBuffer) String() string {
 // with wrong keys) and shutdown, and checks that no join token, client key,
 // wrong key or engine key appears in any log line.
 func TestSecretsNeverLogged(t *testing.T) {
+	t.Parallel() // waits on agents over QUIC, in its own relay and loggers
 	const (
 		upstreamKey = "engine-secret-4f1d9"
 		wrongKey    = "sk-wrong-guess-77ab"

@@ -29,6 +29,14 @@ import (
 // MaxRequestBody bounds the request bodies ServeHTTP accepts (413 above).
 const MaxRequestBody = 64 << 20
 
+// maxRequestBody is the bound readBody applies: MaxRequestBody, lowered by
+// the test of the bound so that it sends megabytes, not 64 MiB.
+var maxRequestBody = func() *atomic.Int64 {
+	var n atomic.Int64
+	n.Store(MaxRequestBody)
+	return &n
+}()
+
 // streamOpenTimeout bounds NewStream (including a dial when no connection
 // exists) when the request's context has no earlier deadline.
 const streamOpenTimeout = 10 * time.Second
@@ -208,7 +216,7 @@ func readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
 		}
 		return b, nil
 	}
-	return io.ReadAll(http.MaxBytesReader(w, r.Body, MaxRequestBody))
+	return io.ReadAll(http.MaxBytesReader(w, r.Body, maxRequestBody.Load()))
 }
 
 // Rejected returns how many streams from non-allowed peers were reset.

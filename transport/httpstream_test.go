@@ -497,8 +497,11 @@ func TestHTTPBodyErrorsAreOpenAIErrors(t *testing.T) {
 	called := make(chan struct{}, 1)
 	serve(t, srv, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { called <- struct{}{} }), cli.ID())
 	client := &http.Client{Transport: NewRoundTripper(cli)}
-	// A body of unknown length past MaxRequestBody (sent chunked).
-	big := io.MultiReader(strings.NewReader(`{"a":"`), io.LimitReader(repeatA{}, MaxRequestBody+1))
+	// A body of unknown length past the bound (sent chunked); the bound
+	// lowered from MaxRequestBody to 2 MiB, above the preallocated size.
+	old := maxRequestBody.Swap(2 << 20)
+	t.Cleanup(func() { maxRequestBody.Store(old) })
+	big := io.MultiReader(strings.NewReader(`{"a":"`), io.LimitReader(repeatA{}, 2<<20+1))
 	req, _ := http.NewRequest(http.MethodPost, "http://"+srv.ID().String()+"/x", big)
 	resp, err := client.Do(req)
 	if err != nil {
