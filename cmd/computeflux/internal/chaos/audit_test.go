@@ -71,8 +71,11 @@ func TestAuditRealProcesses(t *testing.T) {
 			most := 3
 			if a.Kind == "front" {
 				most = 6
-				if a.Cheap <= a.Real {
-					t.Errorf("%s sent %d requests to the claimed model and %d to another: not cheating", a.Name, a.Real, a.Cheap)
+				// It is caught after a handful of requests, so how it split
+				// them is noise; that it served some from another model is
+				// what makes it a cheater.
+				if a.Cheap == 0 {
+					t.Errorf("%s sent %d requests to the claimed model and none to another: not cheating", a.Name, a.Real)
 				}
 			}
 			if a.AuditsToQuarantine > most {
