@@ -94,14 +94,17 @@ func TestDemo(t *testing.T) {
 	// Sticky keeps each conversation on the engine that holds it: its later
 	// turns (two of three, 2/3 of the prompt tokens) are cached but their
 	// newest message, 66.4% of all prompt tokens. With 3 engines and 2
-	// conversations round-robin sends every later turn to an engine that
-	// holds only the shared system prompt: 1.0% (with 2 and 2 it would send
-	// each conversation to the same engine every turn, and tie). Counted,
+	// conversations round-robin sends a later turn to an engine that holds
+	// only the shared system prompt when the turns arrive in their usual
+	// order (1.0%); when a slow turn 2 swaps that order, its cycle lands
+	// up to half the later turns on their engine (33.5% seen under CI's
+	// load). With 2 and 2 it would send each conversation to the same
+	// engine every turn, and tie. Counted,
 	// not timed: the verdict's time-to-first-token ratio (6.3x to 18.8x
 	// here, 1.2x on a machine starved by other work) is a speed figure,
 	// for the demo to print, not for a test to bound.
-	if len(hits) != 2 || hits["sticky"] < minStickyHits || hits["sticky"] < minHitRatio*hits["round-robin"] {
-		t.Errorf("cache hits %v: want sticky at least %.0f%% and %.0fx round-robin's", hits, minStickyHits, minHitRatio)
+	if len(hits) != 2 || hits["sticky"] < minStickyHits || hits["sticky"] < hits["round-robin"]+minHitLead {
+		t.Errorf("cache hits %v: want sticky at least %.0f%% and %.0f points above round-robin's", hits, minStickyHits, minHitLead)
 	}
 	if ratio <= 0 {
 		t.Errorf("verdict ratio %v", ratio)
@@ -109,10 +112,10 @@ func TestDemo(t *testing.T) {
 }
 
 // TestDemo's bounds on the share of prompt tokens found cached (see there):
-// sticky's, and its ratio to round-robin's.
+// sticky's, and its lead over round-robin's.
 const (
 	minStickyHits = 60.0
-	minHitRatio   = 3.0
+	minHitLead    = 30.0
 )
 
 // verdictRE reads the ratio of the demo's verdict line.
