@@ -2,10 +2,12 @@ package transport
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/hashicorp/memberlist"
 	"github.com/libp2p/go-libp2p"
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/network"
@@ -108,5 +110,97 @@ func TestGossipOverCircuit(t *testing.T) {
 	}
 	if _, ok := recs[1].first(GossipSuspect, bh.ID()); ok {
 		t.Error("agent suspected its peer over the circuit")
+	}
+}
+
+// TestGossipPacketsLeaveTheCircuitForADirectPath: a's packet stream to b was
+// opened on the relay's circuit; once a direct connection appears (here a
+// dial, in the field a hole punch), a's next packets reach b on the direct
+// one, and the circuit carries no more gossip.
+func TestGossipPacketsLeaveTheCircuitForADirectPath(t *testing.T) {
+	newHost := func() host.Host {
+		h, err := libp2p.New(libp2p.ListenAddrStrings("/ip4/127.0.0.1/udp/0/quic-v1"), libp2p.EnableRelay())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { h.Close() })
+		return h
+	}
+	rh, ah, bh := newHost(), newHost(), newHost()
+	r, err := relayv2.New(rh)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	relayInfo := peer.AddrInfo{ID: rh.ID(), Addrs: rh.Addrs()}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for _, h := range []host.Host{ah, bh} {
+		if err := h.Connect(ctx, relayInfo); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := client.Reserve(ctx, h, relayInfo); err != nil {
+			t.Fatalf("reserve: %v", err)
+		}
+	}
+	circuit, err := ma.NewMultiaddr(rh.Addrs()[0].String() + "/p2p/" + rh.ID().String() + "/p2p-circuit")
+	if err != nil {
+		t.Fatal(err)
+	}
+	all := func(peer.ID) bool { return true }
+	tb, err := NewGossipTransport(GossipTransportConfig{Host: bh, Admit: all})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tb.Shutdown()
+	ta, err := NewGossipTransport(GossipTransportConfig{Host: ah, Admit: all,
+		Resolve: func(peer.ID) []ma.Multiaddr { return []ma.Multiaddr{circuit} }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ta.Shutdown()
+
+	to := memberlist.Address{Name: bh.ID().String()}
+	// send writes one packet and returns the connection b read it on.
+	send := func(msg string) network.Conn {
+		t.Helper()
+		if _, err := ta.WriteToAddress([]byte(msg), to); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case p := <-tb.PacketCh():
+			if string(p.Buf) != msg {
+				t.Fatalf("b got %q, want %q", p.Buf, msg)
+			}
+		case <-ctx.Done():
+			t.Fatalf("packet %q lost; a's stats %+v", msg, ta.Stats())
+		}
+		for _, c := range ah.Network().ConnsToPeer(bh.ID()) {
+			for _, s := range c.GetStreams() {
+				if s.Protocol() == GossipPacketProtocol && s.Stat().Direction == network.DirOutbound {
+					return c
+				}
+			}
+		}
+		t.Fatal("a holds no outbound gossip packet stream to b")
+		return nil
+	}
+	if c := send("over the circuit"); !IsRelayedConn(c) {
+		t.Fatalf("first packet went over %s, want the circuit", c.RemoteMultiaddr())
+	}
+	direct := network.WithForceDirectDial(ctx, "test")
+	if err := ah.Connect(direct, peer.AddrInfo{ID: bh.ID(), Addrs: bh.Addrs()}); err != nil {
+		t.Fatal(err)
+	}
+	if PathTo(ah, bh.ID()) != PathDirect {
+		t.Fatal("no direct connection after the dial")
+	}
+	for i := range 3 {
+		if c := send(fmt.Sprintf("direct %d", i)); IsRelayedConn(c) {
+			t.Fatalf("packet %d after the direct connection went over %s", i, c.RemoteMultiaddr())
+		}
+	}
+	if s := ta.Stats(); s.PacketsDropped != 0 || s.StreamsOpened != 2 {
+		t.Errorf("a's stats %+v, want no drop and two streams opened (circuit, then direct)", s)
 	}
 }

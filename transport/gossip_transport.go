@@ -104,7 +104,8 @@ type gossipCounters struct {
 // stream per peer and direction, written by a per-peer goroutine behind a
 // bounded queue, so memberlist never blocks on the network (a packet whose
 // write finds the stream dead, reset by the peer or with its connection, is
-// sent again once on a new stream); streams are
+// sent again once on a new stream, and a stream opened on a relay's circuit
+// is replaced once a direct connection to its peer appears); streams are
 // GossipStreamProtocol streams. Both run over limited (relayed) connections.
 type GossipTransport struct {
 	h        host.Host
@@ -388,6 +389,16 @@ func (s *gossipSender) run() {
 			continue
 		}
 		idle.Reset(gossipSenderIdle)
+		if st != nil && IsRelayedConn(st.Conn()) && PathTo(t.h, s.p) == PathDirect {
+			// A hole punch (or a dial) gave the peer a direct connection
+			// after this stream was opened on the circuit: new streams take
+			// the direct one, so move there rather than keep the relay in
+			// the path (and its circuit's data limit) for as long as the
+			// sender lives.
+			t.log.Debug().Str("peer", s.p.String()).Str("conn", st.Conn().ID()).Msg("gossip packet stream moves to the direct path")
+			st.Close()
+			st = nil
+		}
 		if st == nil && !failedAt.IsZero() && time.Since(failedAt) < gossipDialFailBackoff {
 			t.c.packetsDropped.Add(1)
 			continue

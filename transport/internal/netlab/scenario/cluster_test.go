@@ -128,10 +128,11 @@ const (
 	knownRelayCrash = "relay-crash-detection"
 	// knownDirectGossip: two agents behind endpoint-independent NATs may
 	// keep gossiping through the relay: gossip packet streams opened on the
-	// circuit before a punch succeeds stay on it after the upgrade (seen
-	// once). Agents now join the gossip only once hole punching is ready
-	// (AgentNAT.WaitReady), which made direct gossip go from 1 in 20 runs
-	// to every run.
+	// circuit before a punch succeeded stayed on it after the upgrade (seen
+	// in CI under load). Agents join the gossip only once hole punching is
+	// ready (AgentNAT.WaitReady), and a sender whose stream rides a circuit
+	// moves to the direct connection once one exists
+	// (TestGossipPacketsLeaveTheCircuitForADirectPath).
 	knownDirectGossip = "direct-gossip"
 )
 
