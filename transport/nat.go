@@ -354,6 +354,13 @@ type AgentNATConfig struct {
 	// three, so a punch that cannot succeed (symmetric NAT) gives up after
 	// about three times this. QUIC caps an attempt at 5 s anyway.
 	PunchTimeout time.Duration
+	// PunchRetry is how long after an inbound relayed connection appeared
+	// the hole punch is started again when DCUtR, which starts once per
+	// connection, gave up before punching (a stream that failed, a peer
+	// that had no address to offer yet) [5s]. It is tried at most
+	// punchRetries times; a punch that ran and failed (a symmetric NAT) is
+	// not tried again.
+	PunchRetry time.Duration
 	// OnUpgrade, if set, is called when a direct connection to a peer appears
 	// while a relayed one exists (a hole punch, or a direct dial, won), with
 	// the time since the first relayed connection to that peer. It is called
@@ -376,6 +383,9 @@ func (c *AgentNATConfig) populate() {
 	if c.PunchTimeout == 0 {
 		c.PunchTimeout = 3 * time.Second
 	}
+	if c.PunchRetry == 0 {
+		c.PunchRetry = 5 * time.Second
+	}
 	if c.Registerer == nil {
 		c.Registerer = prometheus.NewRegistry()
 	}
@@ -390,7 +400,7 @@ func (c *AgentNATConfig) validate() error {
 			return errors.New("agent NAT config: a relay needs a peer ID and an address")
 		}
 	}
-	if c.ReservationBackoff < 0 || c.RelayMinInterval < 0 || c.PunchTimeout < 0 {
+	if c.ReservationBackoff < 0 || c.RelayMinInterval < 0 || c.PunchTimeout < 0 || c.PunchRetry < 0 {
 		return errors.New("agent NAT config: durations must not be negative")
 	}
 	return nil
@@ -402,6 +412,10 @@ type NATStats struct {
 	HolePunches uint64
 	// HolePunchSuccesses counts the attempts that produced a direct connection.
 	HolePunchSuccesses uint64
+	// HolePunchErrors counts DCUtR exchanges that ended before a punch,
+	// on either side; PunchRetries the punches started again after one
+	// (AgentNATConfig.PunchRetry).
+	HolePunchErrors, PunchRetries uint64
 	// Upgrades counts direct connections that appeared while a relayed one to
 	// the same peer existed.
 	Upgrades uint64
@@ -419,17 +433,17 @@ type AgentNAT struct {
 	mu   sync.Mutex // guards the following fields
 	host host.Host  // set when the host starts
 	svc  *holepunch.Service
-	// firstRelayed is when the first relayed connection to a peer, still
-	// without a direct one, appeared.
-	firstRelayed map[peer.ID]time.Time
+	// relayed are the peers we hold only relayed connections to, since
+	// the first of them appeared.
+	relayed map[peer.ID]*relayedPeer
 	// joined are the relays we hold a registration with (SetJoined); the
 	// reservation is asked for only then. joinedCh is closed and replaced
 	// on every change.
 	joined   map[peer.ID]bool
 	joinedCh chan struct{}
 
-	punches, punchOK, upgrades atomic.Uint64
-	reservations               atomic.Int64
+	punches, punchOK, punchErrors, retries, upgrades atomic.Uint64
+	reservations                                     atomic.Int64
 }
 
 // NewAgentNAT checks cfg and fills its defaults.
@@ -441,10 +455,10 @@ func NewAgentNAT(cfg AgentNATConfig) (*AgentNAT, error) {
 	cfg.Relays = slices.Clone(cfg.Relays)
 	cfg.PublicCIDRs = slices.Clone(cfg.PublicCIDRs)
 	return &AgentNAT{
-		cfg:          cfg,
-		firstRelayed: make(map[peer.ID]time.Time),
-		joined:       make(map[peer.ID]bool),
-		joinedCh:     make(chan struct{}),
+		cfg:      cfg,
+		relayed:  make(map[peer.ID]*relayedPeer),
+		joined:   make(map[peer.ID]bool),
+		joinedCh: make(chan struct{}),
 	}, nil
 }
 
@@ -574,6 +588,9 @@ func (n *AgentNAT) start(bh *bhost.BasicHost, obs bhost.ObservedAddrsManager, lc
 			n.mu.Lock()
 			svc := n.svc
 			n.svc = nil
+			for p := range n.relayed {
+				n.dropRelayedLocked(p)
+			}
 			n.mu.Unlock()
 			if svc != nil {
 				return svc.Close()
@@ -583,29 +600,94 @@ func (n *AgentNAT) start(bh *bhost.BasicHost, obs bhost.ObservedAddrsManager, lc
 	})
 }
 
+// punchRetries bounds the punches AgentNAT starts again for one peer
+// while it stays relayed.
+const punchRetries = 2
+
+// relayedPeer is a peer we reach only through a relay.
+type relayedPeer struct {
+	since   time.Time
+	punched bool // a punch (or the direct dial before it) ran
+	retries int
+	timer   *time.Timer // the next retry, for an inbound connection
+}
+
 func (n *AgentNAT) connected(_ network.Network, c network.Conn) {
 	p := c.RemotePeer()
 	now := time.Now()
 	if IsRelayedConn(c) {
 		n.mu.Lock()
-		if _, ok := n.firstRelayed[p]; !ok {
-			n.firstRelayed[p] = now
+		rp := n.relayed[p]
+		if rp == nil {
+			rp = &relayedPeer{since: now}
+			n.relayed[p] = rp
+		}
+		// DCUtR starts on the side the relayed connection came in to;
+		// that side also tries again if it gave up before punching.
+		if c.Stat().Direction == network.DirInbound && rp.timer == nil {
+			rp.timer = time.AfterFunc(n.cfg.PunchRetry, func() { n.retryPunch(p, rp) })
 		}
 		n.mu.Unlock()
 		return
 	}
 	n.mu.Lock()
-	first, ok := n.firstRelayed[p]
-	delete(n.firstRelayed, p)
+	rp, ok := n.relayed[p]
+	n.dropRelayedLocked(p)
 	n.mu.Unlock()
 	if !ok {
 		return
 	}
 	n.upgrades.Add(1)
-	n.cfg.Logger.Debug().Str("peer", p.String()).Dur("after", now.Sub(first)).Msg("direct path to peer")
+	n.cfg.Logger.Debug().Str("peer", p.String()).Dur("after", now.Sub(rp.since)).Msg("direct path to peer")
 	if n.cfg.OnUpgrade != nil {
-		n.cfg.OnUpgrade(p, now.Sub(first))
+		n.cfg.OnUpgrade(p, now.Sub(rp.since))
 	}
+}
+
+// dropRelayedLocked forgets that p is reached only through a relay.
+func (n *AgentNAT) dropRelayedLocked(p peer.ID) {
+	if rp := n.relayed[p]; rp != nil {
+		if rp.timer != nil {
+			rp.timer.Stop()
+		}
+		delete(n.relayed, p)
+	}
+}
+
+// retryPunch starts the hole punch to p again if it is still reached only
+// through the relay and DCUtR gave up before punching, then schedules the
+// next look.
+func (n *AgentNAT) retryPunch(p peer.ID, rp *relayedPeer) {
+	n.mu.Lock()
+	svc, h := n.svc, n.host
+	if n.relayed[p] != rp || rp.punched || rp.retries >= punchRetries || svc == nil || h == nil {
+		n.mu.Unlock()
+		return
+	}
+	rp.retries++
+	rp.timer = time.AfterFunc(n.cfg.PunchRetry, func() { n.retryPunch(p, rp) })
+	n.mu.Unlock()
+	// Ready: the service has its public addresses, so DirectConnect does
+	// not wait for them (which it would past the service's Close).
+	if PathTo(h, p) != PathRelayed || !n.Ready() {
+		return
+	}
+	n.retries.Add(1)
+	n.cfg.Logger.Debug().Str("peer", p.String()).Int("retry", rp.retries).Msg("hole punch started again")
+	go func() {
+		if err := svc.DirectConnect(p); err != nil {
+			n.cfg.Logger.Debug().Str("peer", p.String()).Err(err).Msg("hole punch retry")
+		}
+	}()
+}
+
+// sawPunch notes, from DCUtR's events, that a punch to p ran.
+func (n *AgentNAT) sawPunch(p peer.ID) {
+	n.mu.Lock()
+	if rp := n.relayed[p]; rp != nil {
+		rp.punched = true
+	}
+	n.mu.Unlock()
 }
 
 func (n *AgentNAT) disconnected(nw network.Network, c network.Conn) {
@@ -618,7 +700,7 @@ func (n *AgentNAT) disconnected(nw network.Network, c network.Conn) {
 	}
 	if !relayed {
 		n.mu.Lock()
-		delete(n.firstRelayed, p)
+		n.dropRelayedLocked(p)
 		n.mu.Unlock()
 	}
 	if len(nw.ConnsToPeer(p)) == 0 {
@@ -660,6 +742,8 @@ func (n *AgentNAT) Stats() NATStats {
 	return NATStats{
 		HolePunches:        n.punches.Load(),
 		HolePunchSuccesses: n.punchOK.Load(),
+		HolePunchErrors:    n.punchErrors.Load(),
+		PunchRetries:       n.retries.Load(),
 		Upgrades:           n.upgrades.Load(),
 		Reservations:       n.reservations.Load(),
 	}
@@ -669,15 +753,34 @@ func (n *AgentNAT) Stats() NATStats {
 type punchTracer struct{ n *AgentNAT }
 
 func (t punchTracer) Trace(evt *holepunch.Event) {
-	end, ok := evt.Evt.(*holepunch.EndHolePunchEvt)
-	if !ok {
+	log := t.n.cfg.Logger
+	var end *holepunch.EndHolePunchEvt
+	switch e := evt.Evt.(type) {
+	case *holepunch.EndHolePunchEvt:
+		end = e
+		t.n.sawPunch(evt.Remote)
+	case *holepunch.StartHolePunchEvt:
+		t.n.sawPunch(evt.Remote)
+		return
+	case *holepunch.ProtocolErrorEvt:
+		// DCUtR gave up before punching (a stream that failed, a peer with
+		// no public address to offer yet): retryPunch starts it again.
+		t.n.punchErrors.Add(1)
+		log.Debug().Str("peer", evt.Remote.String()).Str("error", e.Error).Msg("hole punch not started")
+		return
+	case *holepunch.DirectDialEvt:
+		t.n.sawPunch(evt.Remote)
+		log.Debug().Str("peer", evt.Remote.String()).Bool("success", e.Success).
+			Dur("elapsed", e.EllapsedTime).Str("error", e.Error).Msg("direct dial before a hole punch")
+		return
+	default:
 		return
 	}
 	t.n.punches.Add(1)
 	if end.Success {
 		t.n.punchOK.Add(1)
 	}
-	t.n.cfg.Logger.Debug().Str("peer", evt.Remote.String()).Bool("success", end.Success).
+	log.Debug().Str("peer", evt.Remote.String()).Bool("success", end.Success).
 		Dur("elapsed", end.EllapsedTime).Str("error", end.Error).Msg("hole punch")
 }
 

@@ -18,6 +18,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/protocol"
 	rcmgr "github.com/libp2p/go-libp2p/p2p/host/resource-manager"
 	"github.com/libp2p/go-libp2p/p2p/protocol/circuitv2/relay"
+	libp2pquic "github.com/libp2p/go-libp2p/p2p/transport/quic"
 	ma "github.com/multiformats/go-multiaddr"
 )
 
@@ -170,6 +171,13 @@ func (l *natLab) agent(t *testing.T, admit, loopbackPublic bool, onUpgrade func(
 	if err != nil {
 		t.Fatal(err)
 	}
+	l.setUp(t, h, n, admit)
+	return h, n
+}
+
+// setUp gives an agent host the echo handler and connects it to the relay.
+func (l *natLab) setUp(t *testing.T, h host.Host, n *AgentNAT, admit bool) {
+	t.Helper()
 	t.Cleanup(func() { h.Close() })
 	if admit {
 		l.admitted.Store(h.ID(), struct{}{})
@@ -186,7 +194,6 @@ func (l *natLab) agent(t *testing.T, admit, loopbackPublic bool, onUpgrade func(
 	// An admitted agent stands for a joined one: it asks for its
 	// reservation now.
 	n.SetJoined(l.relay.ID(), admit)
-	return h, n
 }
 
 const testEcho protocol.ID = "/computeflux/test/echo/1.0.0"
@@ -330,5 +337,97 @@ func TestRelayResourceLimits(t *testing.T) {
 	}
 	if got := built.ToPartialLimitConfig().Service[relay.ServiceName].StreamsInbound; got < 300 {
 		t.Errorf("relay service inbound streams %v, want at least 300", got)
+	}
+}
+
+// gatedLimiter refuses streams of one protocol while shut is set, as a
+// peer does whose handler is not there yet or whose stream broke.
+type gatedLimiter struct {
+	rcmgr.Limiter
+	proto protocol.ID
+	shut  *atomic.Bool
+}
+
+func (l gatedLimiter) GetProtocolLimits(p protocol.ID) rcmgr.Limit {
+	if p == l.proto {
+		return gatedLimit{l.Limiter.GetProtocolLimits(p), l.shut}
+	}
+	return l.Limiter.GetProtocolLimits(p)
+}
+
+// gatedLimit is read on every stream, so shutting takes effect at once.
+type gatedLimit struct {
+	rcmgr.Limit
+	shut *atomic.Bool
+}
+
+func (l gatedLimit) GetStreamLimit(d network.Direction) int {
+	if l.shut.Load() {
+		return 0
+	}
+	return l.Limit.GetStreamLimit(d)
+}
+
+func (l gatedLimit) GetStreamTotalLimit() int {
+	if l.shut.Load() {
+		return 0
+	}
+	return l.Limit.GetStreamTotalLimit()
+}
+
+// TestHolePunchStartedAgainAfterAnEarlyFailure: DCUtR starts once per
+// relayed connection. When that one exchange breaks before a punch (here
+// the dialer refuses the DCUtR stream), the receiving agent starts the
+// punch again after PunchRetry, and the connection becomes direct.
+func TestHolePunchStartedAgainAfterAnEarlyFailure(t *testing.T) {
+	l := newNATLab(t)
+	loopback := []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")}
+	var shut atomic.Bool
+	shut.Store(true)
+	na, err := NewAgentNAT(AgentNATConfig{Relays: []peer.AddrInfo{l.info()}, PublicCIDRs: loopback})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rm, err := rcmgr.NewResourceManager(gatedLimiter{rcmgr.NewFixedLimiter(resourceLimits(nil)), HolePunchProtocol, &shut})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := libp2p.New(append([]libp2p.Option{libp2p.NoTransports, libp2p.Transport(libp2pquic.NewTransport),
+		libp2p.ListenAddrStrings("/ip4/127.0.0.1/udp/0/quic-v1"), libp2p.ResourceManager(rm)}, na.Options()...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	l.setUp(t, a, na, true)
+	nbCfg := AgentNATConfig{Relays: []peer.AddrInfo{l.info()}, PublicCIDRs: loopback, PunchRetry: time.Second}
+	nb, err := NewAgentNAT(nbCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := NewHost(HostConfig{ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Options: nb.Options()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	l.setUp(t, b, nb, true)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for _, n := range []*AgentNAT{na, nb} {
+		if err := n.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := dialThroughRelay(ctx, a, l.info(), b.ID()); err != nil {
+		t.Fatal(err)
+	}
+	natWaitFor(t, "b's DCUtR to fail", func() bool { return nb.Stats().HolePunchErrors >= 1 })
+	if p := PathTo(b, a.ID()); p != PathRelayed || nb.Stats().HolePunches != 0 {
+		t.Fatalf("after the failed exchange: path %v, %+v", p, nb.Stats())
+	}
+	shut.Store(false)
+	natWaitFor(t, "a direct connection", func() bool { return PathTo(b, a.ID()) == PathDirect })
+	natWaitFor(t, "the punch to be counted", func() bool { return nb.Stats().HolePunchSuccesses >= 1 })
+	if s := nb.Stats(); s.PunchRetries != 1 {
+		t.Errorf("b's stats %+v, want one retry", s)
 	}
 }
