@@ -11,6 +11,7 @@ import (
 	"sync"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/scheduler/jsonscan"
 	"github.com/computeflux/computeflux/transport"
 )
 
@@ -107,11 +108,11 @@ func chainRoom(n int, cfg scheduler.PrefixConfig) []uint64 {
 // just to read two keys was a few percent of the agent's CPU.
 func askUsage(body []byte) ([]byte, bool) {
 	var stream, opts []byte
-	if !scanPlain(body, func(k, v []byte) {
+	if !jsonscan.PlainObject(body, func(k, v []byte) {
 		switch {
-		case scheduler.KeyEqualFold(k, "stream"):
+		case jsonscan.KeyEqualFold(k, "stream"):
 			stream = v
-		case scheduler.KeyEqualFold(k, "stream_options"):
+		case jsonscan.KeyEqualFold(k, "stream_options"):
 			opts = v
 		}
 	}) {
@@ -125,7 +126,7 @@ func askUsage(body []byte) ([]byte, bool) {
 		// escapes decoded: a key with escapes is left to encoding/json).
 		var inc []byte
 		exact := true
-		if scheduler.ScanObject(opts, func(k, v []byte) {
+		if jsonscan.Object(opts, func(k, v []byte) {
 			if bytes.IndexByte(k, '\\') >= 0 {
 				exact = false
 			} else if string(k) == "include_usage" {
@@ -278,11 +279,11 @@ func (f *usageFields) usage() usage {
 // engine's bytes as they are either way.
 func readUsage(data []byte) (u usage, noChoices, ok bool) {
 	var choices, usg []byte
-	if !scanPlain(data, func(k, v []byte) {
+	if !jsonscan.PlainObject(data, func(k, v []byte) {
 		switch {
-		case scheduler.KeyEqualFold(k, "choices"):
+		case jsonscan.KeyEqualFold(k, "choices"):
 			choices = v
-		case scheduler.KeyEqualFold(k, "usage"):
+		case jsonscan.KeyEqualFold(k, "usage"):
 			usg = v
 		}
 	}) {
@@ -303,11 +304,11 @@ func readUsage(data []byte) (u usage, noChoices, ok bool) {
 		return readUsageJSON(data)
 	}
 	var prompt, details []byte
-	plain := scanPlain(usg, func(k, v []byte) {
+	plain := jsonscan.PlainObject(usg, func(k, v []byte) {
 		switch {
-		case scheduler.KeyEqualFold(k, "prompt_tokens"):
+		case jsonscan.KeyEqualFold(k, "prompt_tokens"):
 			prompt = v
-		case scheduler.KeyEqualFold(k, "prompt_tokens_details"):
+		case jsonscan.KeyEqualFold(k, "prompt_tokens_details"):
 			details = v
 		}
 	})
@@ -317,8 +318,8 @@ func readUsage(data []byte) (u usage, noChoices, ok bool) {
 		if details[0] != '{' {
 			return readUsageJSON(data)
 		}
-		plain = scanPlain(details, func(k, v []byte) {
-			if scheduler.KeyEqualFold(k, "cached_tokens") {
+		plain = jsonscan.PlainObject(details, func(k, v []byte) {
+			if jsonscan.KeyEqualFold(k, "cached_tokens") {
 				cached = v
 			}
 		})
@@ -330,22 +331,6 @@ func readUsage(data []byte) (u usage, noChoices, ok bool) {
 		return readUsageJSON(data)
 	}
 	return u, noChoices, true
-}
-
-// scanPlain calls f with each top-level key and value of the JSON object
-// obj (scheduler.ScanObject) whose key is plain (scheduler.PlainKey: no
-// escapes, ASCII only, so that KeyEqualFold matches it as encoding/json
-// would). It reports false when the scan fails or a key is not plain: then
-// only encoding/json decides what obj says.
-func scanPlain(obj []byte, f func(k, v []byte)) bool {
-	plain := true
-	return scheduler.ScanObject(obj, func(k, v []byte) {
-		if !scheduler.PlainKey(k) {
-			plain = false
-			return
-		}
-		f(k, v)
-	}) && plain
 }
 
 // jsonInt reads a JSON value into an int as encoding/json would, for the

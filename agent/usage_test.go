@@ -15,6 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/scheduler/jsonscan"
 )
 
 func TestAskUsage(t *testing.T) {
@@ -513,7 +514,7 @@ func checkScans(t *testing.T, data []byte) {
 	}
 	// The scan checks structure, not every scalar: JSON it reads that
 	// encoding/json refuses must at least have an object's shape.
-	if !wok && ok && !scheduler.ScanObject(data, func(_, _ []byte) {}) {
+	if !wok && ok && !jsonscan.Object(data, func(_, _ []byte) {}) {
 		t.Fatalf("readUsage(%q) = %+v %v %v; encoding/json: %+v %v %v", data, u, none, ok, wu, wnone, wok)
 	}
 }

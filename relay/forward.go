@@ -9,8 +9,8 @@ import (
 	"math/rand/v2"
 	"strconv"
 
-	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/scheduler/audit"
+	"github.com/computeflux/computeflux/scheduler/jsonscan"
 )
 
 // What an agent gets of a generation request, while audits run: the
@@ -62,7 +62,7 @@ func forwardBody(body []byte, seed uint32, pseudo func(string) string) []byte {
 	type span struct{ start, end int }
 	var ids []span
 	base := cap(body)
-	scheduler.ScanObject(body, func(key, val []byte) {
+	jsonscan.Object(body, func(key, val []byte) {
 		switch string(key) {
 		case "seed":
 			seeded = true
@@ -76,11 +76,11 @@ func forwardBody(body []byte, seed uint32, pseudo func(string) string) []byte {
 	out := make([]byte, 0, len(body)+24)
 	i := 0
 	if !seeded {
-		open := skipSpace(body, 0) + 1 // past '{'
+		open := jsonscan.SkipSpace(body, 0) + 1 // past '{'
 		out = append(out, body[:open]...)
 		out = append(out, `"seed":`...)
 		out = strconv.AppendUint(out, uint64(seed), 10)
-		if j := skipSpace(body, open); j < len(body) && body[j] != '}' {
+		if j := jsonscan.SkipSpace(body, open); j < len(body) && body[j] != '}' {
 			out = append(out, ',')
 		}
 		i = open

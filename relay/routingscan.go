@@ -3,14 +3,14 @@ package relay
 import (
 	"encoding/json"
 
-	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/scheduler/jsonscan"
 )
 
 // scanRoutingFields fills f as json.Unmarshal(body, f) would, without
 // decoding the rest of the body: json.Valid checks the whole document (so
 // malformed JSON fails as before, with json.Unmarshal's error), then one
-// pass over the top-level object keeps the raw values of the routing keys
-// and skips every other value. Unmarshal matched keys to fields and built a
+// pass over the top-level object (jsonscan.PlainObject) keeps the raw
+// values of the routing keys and skips every other value. Unmarshal matched keys to fields and built a
 // RawMessage copy for each; on a busy relay that was a few percent of its
 // CPU. Semantics kept: keys match case-insensitively, the last duplicate
 // wins, and a key with escapes or non-ASCII bytes (which encoding/json
@@ -20,53 +20,33 @@ func scanRoutingFields(body []byte, f *routingFields) error {
 	if !json.Valid(body) {
 		return json.Unmarshal(body, f)
 	}
-	i := skipSpace(body, 0)
-	if i >= len(body) || body[i] != '{' {
-		return json.Unmarshal(body, f)
-	}
 	var out routingFields
-	i++
-	for {
-		i = skipSpace(body, i)
-		if body[i] == '}' {
-			break
-		}
-		ke := skipString(body, i) // just past the key's closing quote
-		key := body[i+1 : ke-1]
-		i = skipSpace(body, ke)    // at ':'
-		vs := skipSpace(body, i+1) // the value
-		i = skipValue(body, vs)
-		if !scheduler.PlainKey(key) {
-			return json.Unmarshal(body, f)
-		}
+	if !jsonscan.PlainObject(body, func(key, v []byte) {
 		switch {
-		case scheduler.KeyEqualFold(key, "model"):
-			out.Model = body[vs:i]
-		case scheduler.KeyEqualFold(key, "stream"):
-			out.Stream = body[vs:i]
-		case scheduler.KeyEqualFold(key, "prompt_cache_key"):
-			out.PromptCacheKey = body[vs:i]
-		case scheduler.KeyEqualFold(key, "messages"):
-			out.Messages = body[vs:i]
-		case scheduler.KeyEqualFold(key, "previous_response_id"):
-			out.PreviousResponseID = body[vs:i]
-		case scheduler.KeyEqualFold(key, "store"):
-			out.Store = body[vs:i]
-		case scheduler.KeyEqualFold(key, "service_tier"):
-			out.ServiceTier = body[vs:i]
-		case scheduler.KeyEqualFold(key, "max_tokens"):
-			out.MaxTokens = body[vs:i]
-		case scheduler.KeyEqualFold(key, "max_completion_tokens"):
-			out.MaxCompletionTokens = body[vs:i]
-		case scheduler.KeyEqualFold(key, "max_output_tokens"):
-			out.MaxOutputTokens = body[vs:i]
+		case jsonscan.KeyEqualFold(key, "model"):
+			out.Model = v
+		case jsonscan.KeyEqualFold(key, "stream"):
+			out.Stream = v
+		case jsonscan.KeyEqualFold(key, "prompt_cache_key"):
+			out.PromptCacheKey = v
+		case jsonscan.KeyEqualFold(key, "messages"):
+			out.Messages = v
+		case jsonscan.KeyEqualFold(key, "previous_response_id"):
+			out.PreviousResponseID = v
+		case jsonscan.KeyEqualFold(key, "store"):
+			out.Store = v
+		case jsonscan.KeyEqualFold(key, "service_tier"):
+			out.ServiceTier = v
+		case jsonscan.KeyEqualFold(key, "max_tokens"):
+			out.MaxTokens = v
+		case jsonscan.KeyEqualFold(key, "max_completion_tokens"):
+			out.MaxCompletionTokens = v
+		case jsonscan.KeyEqualFold(key, "max_output_tokens"):
+			out.MaxOutputTokens = v
 		}
-		i = skipSpace(body, i)
-		if body[i] == ',' {
-			i++
-			continue
-		}
-		break // '}'
+	}) {
+		// Not an object (a valid array, say), or a key that is not plain.
+		return json.Unmarshal(body, f)
 	}
 	// Unmarshal leaves fields whose key is absent as they were.
 	if out.Model != nil {
@@ -96,62 +76,4 @@ func scanRoutingFields(body []byte, f *routingFields) error {
 		}
 	}
 	return nil
-}
-
-// The helpers below walk a document json.Valid accepted: they need not
-// check syntax, only find where things end.
-
-func skipSpace(b []byte, i int) int {
-	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\r' || b[i] == '\n') {
-		i++
-	}
-	return i
-}
-
-// skipString returns the index just past the string starting at b[i] == '"'.
-func skipString(b []byte, i int) int {
-	for i++; i < len(b); i++ {
-		switch b[i] {
-		case '\\':
-			i++
-		case '"':
-			return i + 1
-		}
-	}
-	return i
-}
-
-// skipValue returns the index just past the value starting at b[i].
-func skipValue(b []byte, i int) int {
-	switch b[i] {
-	case '"':
-		return skipString(b, i)
-	case '{', '[':
-		depth := 0
-		for i < len(b) {
-			switch b[i] {
-			case '"':
-				i = skipString(b, i)
-				continue
-			case '{', '[':
-				depth++
-			case '}', ']':
-				depth--
-				if depth == 0 {
-					return i + 1
-				}
-			}
-			i++
-		}
-		return i
-	default: // number, true, false, null
-		for i < len(b) {
-			switch b[i] {
-			case ',', '}', ']', ' ', '\t', '\r', '\n':
-				return i
-			}
-			i++
-		}
-		return i
-	}
 }

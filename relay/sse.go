@@ -7,7 +7,7 @@ import (
 	"io"
 	"unicode/utf8"
 
-	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/scheduler/jsonscan"
 )
 
 // Checks on what agents send back. An agent is a machine in someone's home
@@ -72,7 +72,7 @@ func (f *sseFramer) readUsage(data []byte) bool {
 // Responses event whose response carries its usage).
 func usageChunk(data []byte) bool {
 	choices, usage := false, false
-	scheduler.ScanObject(data, func(k, v []byte) {
+	jsonscan.Object(data, func(k, v []byte) {
 		switch string(k) {
 		case "choices":
 			choices = len(v) > 0 && v[0] == '[' && len(bytes.TrimSpace(v[1:len(v)-1])) > 0

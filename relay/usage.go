@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/relay/ledger"
-	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/scheduler/jsonscan"
 )
 
 // Recording into the usage ledger. The copy stages note what the answer
@@ -67,18 +67,18 @@ func (u *tokenUsage) scanTail(data []byte) {
 // quote's next byte). It reports false when what follows is not a key's
 // object value; a null value counts as read and changes nothing.
 func (u *tokenUsage) readAt(data []byte, i int) bool {
-	i = skipJSONSpace(data, i)
+	i = jsonscan.SkipSpace(data, i)
 	if i >= len(data) || data[i] != ':' {
 		return false
 	}
-	i = skipJSONSpace(data, i+1)
+	i = jsonscan.SkipSpace(data, i+1)
 	if i < len(data) && data[i] == 'n' {
 		return bytes.HasPrefix(data[i:], []byte("null"))
 	}
 	if i >= len(data) || data[i] != '{' {
 		return false
 	}
-	end, ok := scheduler.SkipValue(data, i)
+	end, ok := jsonscan.SkipValue(data, i)
 	if !ok {
 		return false
 	}
@@ -96,7 +96,7 @@ func (u *tokenUsage) readAt(data []byte, i int) bool {
 // their sum.
 func (u *tokenUsage) readObject(obj []byte) bool {
 	var prompt, cached, completion, details, created []byte
-	if !scheduler.ScanObject(obj, func(k, v []byte) {
+	if !jsonscan.Object(obj, func(k, v []byte) {
 		switch string(k) {
 		case "prompt_tokens", "input_tokens":
 			prompt = v
@@ -113,14 +113,14 @@ func (u *tokenUsage) readObject(obj []byte) bool {
 		return false
 	}
 	if len(cached) > 0 || len(created) > 0 {
-		if n, ok := parseCount(prompt); ok {
-			r, _ := parseCount(cached)
-			c, _ := parseCount(created)
+		if n, ok := jsonscan.Count(prompt); ok {
+			r, _ := jsonscan.Count(cached)
+			c, _ := jsonscan.Count(created)
 			prompt = strconv.AppendInt(nil, n+r+c, 10)
 		}
 	}
 	if len(details) > 0 && details[0] == '{' {
-		scheduler.ScanObject(details, func(k, v []byte) {
+		jsonscan.Object(details, func(k, v []byte) {
 			if string(k) == "cached_tokens" {
 				cached = v
 			}
@@ -130,35 +130,12 @@ func (u *tokenUsage) readObject(obj []byte) bool {
 		v []byte
 		n *int64
 	}{{prompt, &u.prompt}, {cached, &u.cached}, {completion, &u.completion}} {
-		if n, ok := parseCount(f.v); ok {
+		if n, ok := jsonscan.Count(f.v); ok {
 			*f.n = n
 			u.seen = true
 		}
 	}
 	return true
-}
-
-// parseCount reads a JSON count: a non-negative decimal integer (strconv
-// would want a string, which costs an allocation on its error path).
-func parseCount(v []byte) (int64, bool) {
-	if len(v) == 0 || len(v) > 18 {
-		return 0, false
-	}
-	var n int64
-	for _, c := range v {
-		if c < '0' || c > '9' {
-			return 0, false
-		}
-		n = n*10 + int64(c-'0')
-	}
-	return n, true
-}
-
-func skipJSONSpace(b []byte, i int) int {
-	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
-		i++
-	}
-	return i
 }
 
 // recordUsage records p's request, once it finished after taking dur, in

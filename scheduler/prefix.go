@@ -6,6 +6,8 @@ import (
 	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/computeflux/computeflux/scheduler/jsonscan"
 )
 
 // PrefixConfig says how a prompt is cut into blocks. The zero value of every
@@ -149,7 +151,7 @@ const (
 func PromptBlocks(dst []uint64, body []byte, cfg PrefixConfig) []uint64 {
 	start := len(dst)
 	var tools, msgs, prompt, input []byte
-	ok := scanObject(body, func(key, val []byte) {
+	ok := jsonscan.Object(body, func(key, val []byte) {
 		switch string(key) {
 		case "tools":
 			tools = val
@@ -204,7 +206,7 @@ func hashPrompt(h *chainHasher, v []byte) bool {
 	if v[0] == '[' {
 		inner := bytes.TrimSpace(v[1 : len(v)-1])
 		if len(inner) > 0 && inner[0] == '"' {
-			if end, ok := skipValue(inner, 0); ok && len(bytes.TrimSpace(inner[end:])) == 0 {
+			if end, ok := jsonscan.SkipValue(inner, 0); ok && len(bytes.TrimSpace(inner[end:])) == 0 {
 				return writeJSONString(h, inner[:end])
 			}
 		}
@@ -220,7 +222,7 @@ func hashMessages(h *chainHasher, v []byte) bool {
 		return false
 	}
 	n := 0
-	ok := scanArray(v, func(m []byte) bool {
+	ok := jsonscan.Array(v, func(m []byte) bool {
 		if h.full() {
 			return false // the rest cannot change the chain
 		}
@@ -228,7 +230,7 @@ func hashMessages(h *chainHasher, v []byte) bool {
 			return false
 		}
 		var role, content, extra1, extra2, extra3 []byte
-		if !scanObject(m, func(key, val []byte) {
+		if !jsonscan.Object(m, func(key, val []byte) {
 			switch string(key) {
 			case "role":
 				role = val
@@ -279,12 +281,12 @@ func hashContent(h *chainHasher, v []byte) bool {
 		return writeJSONString(h, v)
 	case v[0] == '[':
 		bad := false
-		ok := scanArray(v, func(p []byte) bool {
+		ok := jsonscan.Array(v, func(p []byte) bool {
 			if h.full() {
 				return false
 			}
 			var typ, text []byte
-			if p[0] == '{' && scanObject(p, func(key, val []byte) {
+			if p[0] == '{' && jsonscan.Object(p, func(key, val []byte) {
 				switch string(key) {
 				case "type":
 					typ = val
@@ -378,216 +380,6 @@ func hex4(s []byte) (rune, bool) {
 		}
 	}
 	return r, true
-}
-
-// A small JSON scanner that finds values without decoding them. It checks
-// structure (brackets, strings, commas and colons) but not the spelling of
-// numbers and literals, which do not matter to a prompt's identity.
-
-func isJSONSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\n' || c == '\r' }
-
-func skipSpace(b []byte, i int) int {
-	for i < len(b) && isJSONSpace(b[i]) {
-		i++
-	}
-	return i
-}
-
-// maxDepth bounds nesting, so hostile input cannot blow the stack.
-const maxDepth = 256
-
-// skipValue returns the index just past the JSON value starting at b[i].
-func skipValue(b []byte, i int) (int, bool) {
-	depth := 0
-	for {
-		i = skipSpace(b, i)
-		if i >= len(b) {
-			return i, false
-		}
-		switch c := b[i]; c {
-		case '"':
-			j, ok := skipString(b, i)
-			if !ok {
-				return j, false
-			}
-			i = j
-		case '{', '[':
-			depth++
-			if depth > maxDepth {
-				return i, false
-			}
-			i++
-			continue
-		case '}', ']':
-			if depth == 0 {
-				return i, false
-			}
-			depth--
-			i++
-		case ',', ':':
-			if depth == 0 {
-				return i, false
-			}
-			i++
-			continue
-		default:
-			j := i
-			for j < len(b) && !isJSONSpace(b[j]) && b[j] != ',' && b[j] != '}' && b[j] != ']' && b[j] != ':' {
-				j++
-			}
-			if j == i {
-				return i, false
-			}
-			i = j
-		}
-		if depth == 0 {
-			return i, true
-		}
-	}
-}
-
-// skipString returns the index just past the string literal at b[i].
-func skipString(b []byte, i int) (int, bool) {
-	i++
-	for {
-		j := bytes.IndexByte(b[i:], '"')
-		if j < 0 {
-			return len(b), false
-		}
-		i += j
-		// Count the backslashes before the quote.
-		k := i - 1
-		for k >= 0 && b[k] == '\\' {
-			k--
-		}
-		i++
-		if (i-2-k)%2 == 0 {
-			return i, true
-		}
-	}
-}
-
-// ScanObject calls f with each top-level key (without quotes, escapes
-// kept) and raw value of the JSON object b, in order, and reports whether b
-// has an object's shape (surrounding space allowed). It allocates nothing
-// and checks structure only: a true result does not mean json.Valid(b), and
-// nesting deeper than 256 levels reports false. Values alias b.
-func ScanObject(b []byte, f func(key, val []byte)) bool { return scanObject(b, f) }
-
-// SkipValue returns the index just past the JSON value that starts at b[i]
-// (after any space), and whether there is a whole value there. Like
-// ScanObject it checks structure only and allocates nothing.
-func SkipValue(b []byte, i int) (int, bool) { return skipValue(b, i) }
-
-// PlainKey reports whether a raw JSON key (as ScanObject gives it) has no
-// escapes and only ASCII bytes, so that KeyEqualFold matches it as
-// encoding/json matches a key to a field; other keys are for encoding/json
-// itself.
-func PlainKey(k []byte) bool {
-	for _, c := range k {
-		if c == '\\' || c >= 0x80 {
-			return false
-		}
-	}
-	return true
-}
-
-// KeyEqualFold reports whether the plain key k equals the lower-case ASCII
-// name s regardless of case, as encoding/json matches keys to fields.
-func KeyEqualFold(k []byte, s string) bool {
-	if len(k) != len(s) {
-		return false
-	}
-	for i := range len(k) {
-		c := k[i]
-		if 'A' <= c && c <= 'Z' {
-			c += 'a' - 'A'
-		}
-		if c != s[i] {
-			return false
-		}
-	}
-	return true
-}
-
-// scanObject calls f with each key (without quotes, escapes kept) and
-// value of the JSON object b (surrounding space allowed) and reports
-// whether b is a well-formed object.
-func scanObject(b []byte, f func(key, val []byte)) bool {
-	i := skipSpace(b, 0)
-	if i >= len(b) || b[i] != '{' {
-		return false
-	}
-	i = skipSpace(b, i+1)
-	if i < len(b) && b[i] == '}' {
-		return len(bytes.TrimSpace(b[i+1:])) == 0
-	}
-	for {
-		i = skipSpace(b, i)
-		if i >= len(b) || b[i] != '"' {
-			return false
-		}
-		ke, ok := skipString(b, i)
-		if !ok {
-			return false
-		}
-		key := b[i+1 : ke-1]
-		i = skipSpace(b, ke)
-		if i >= len(b) || b[i] != ':' {
-			return false
-		}
-		vs := skipSpace(b, i+1)
-		ve, ok := skipValue(b, vs)
-		if !ok {
-			return false
-		}
-		f(key, b[vs:ve])
-		i = skipSpace(b, ve)
-		if i >= len(b) {
-			return false
-		}
-		if b[i] == '}' {
-			return len(bytes.TrimSpace(b[i+1:])) == 0
-		}
-		if b[i] != ',' {
-			return false
-		}
-		i++
-	}
-}
-
-// scanArray calls f with each element of the JSON array b until f returns
-// false, and reports whether it went through a well-formed array.
-func scanArray(b []byte, f func(v []byte) bool) bool {
-	i := skipSpace(b, 0)
-	if i >= len(b) || b[i] != '[' {
-		return false
-	}
-	i = skipSpace(b, i+1)
-	if i < len(b) && b[i] == ']' {
-		return true
-	}
-	for {
-		vs := skipSpace(b, i)
-		ve, ok := skipValue(b, vs)
-		if !ok {
-			return false
-		}
-		if !f(b[vs:ve]) {
-			return false
-		}
-		i = skipSpace(b, ve)
-		if i >= len(b) {
-			return false
-		}
-		if b[i] == ']' {
-			return true
-		}
-		if b[i] != ',' {
-			return false
-		}
-		i++
-	}
 }
 
 // CachedBlocks converts an engine's usage answer into blocks of a chain of
