@@ -665,6 +665,7 @@ func (n *AgentNAT) retryPunch(p peer.ID, rp *relayedPeer) {
 		return
 	}
 	rp.retries++
+	retry := rp.retries
 	rp.timer = time.AfterFunc(n.cfg.PunchRetry, func() { n.retryPunch(p, rp) })
 	n.mu.Unlock()
 	// Ready: the service has its public addresses, so DirectConnect does
@@ -673,7 +674,7 @@ func (n *AgentNAT) retryPunch(p peer.ID, rp *relayedPeer) {
 		return
 	}
 	n.retries.Add(1)
-	n.cfg.Logger.Debug().Str("peer", p.String()).Int("retry", rp.retries).Msg("hole punch started again")
+	n.cfg.Logger.Debug().Str("peer", p.String()).Int("retry", retry).Msg("hole punch started again")
 	go func() {
 		if err := svc.DirectConnect(p); err != nil {
 			n.cfg.Logger.Debug().Str("peer", p.String()).Err(err).Msg("hole punch retry")
