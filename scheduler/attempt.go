@@ -328,7 +328,15 @@ func (a *Attempt) Pick() (Choice, error) {
 				e = mapped
 			}
 		}
-		if e == nil && len(a.req.Prefix) > 0 {
+		switch {
+		case e != nil && len(a.req.Prefix) > 0 && e.publishes():
+			// The session's endpoint tells what it holds: it competes on
+			// the prefix cost with the others, at its affinity capacity and
+			// winning ties, so a busy one is passed over for an endpoint
+			// where the request starts sooner, as a request without a key
+			// would be.
+			e, cached = a.pickPrefix(g, now)
+		case e == nil && len(a.req.Prefix) > 0:
 			e, cached = a.pickPrefix(g, now)
 		}
 		if e == nil {

@@ -67,13 +67,21 @@
 // allowed right now (with the larger affinity capacity below), is not
 // avoided (suspect, or failed in this request), and its engine is not
 // saturated (Health.Waiting > 0 and Health.KVCacheUsage >=
-// Config.SaturatedKVUsage, 0.98). Being busier than other endpoints is
-// deliberately not a reason to leave: queueing behind a few requests costs
-// far less than a cold prefill elsewhere, and moving the session would also
-// throw away its cache for the turns after this one. The session leaves
-// only when its endpoint is unavailable (disabled, draining, breaker open,
-// gone), truly saturated, or failed in this request. It is then placed by
-// score, and the next success re-maps it.
+// Config.SaturatedKVUsage, 0.98). Where the mapped endpoint's agent
+// publishes what its engine holds (see Prefixes) and the request has a
+// Prefix, the mapping is weighed rather than obeyed: the mapped endpoint
+// competes on the prefix cost with the others, at its affinity capacity,
+// and wins every tie, so the session stays while its endpoint is as good a
+// place as any and leaves when the figures say another starts the request
+// sooner (the same prefix held elsewhere with less prefill ahead, or its
+// own backlog hot); a session key never places a request worse than no
+// key would. Where nothing is published, being busier than other
+// endpoints is not a reason to leave: the scheduler cannot tell what a
+// move would throw away, and queueing behind a few requests costs far less
+// than a cold prefill elsewhere. The session then leaves only when its
+// endpoint is unavailable (disabled, draining, breaker open, gone), truly
+// saturated, or failed in this request. It is then placed by score, and
+// the next success re-maps it.
 //
 // # Capacity
 //
@@ -115,7 +123,8 @@
 //
 // With the sticky policy, a request with a Prefix and no live session
 // mapping (no key, a new or expired session, or a session whose endpoint
-// cannot take it) is placed by prefix: each admitted endpoint's cost is its
+// cannot take it), or whose mapped endpoint publishes, is placed by
+// prefix: each admitted endpoint's cost is its
 // prefill backlog (uncached blocks of requests picked and not Started, and
 // the engine's queue), its expected load at the mean request size, and the
 // prompt's blocks after the prefix it holds, weighed up 101 times while the

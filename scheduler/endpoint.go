@@ -333,3 +333,9 @@ func (e *endpoint) plain() bool {
 	return !e.disabled && !e.removed && !e.health.Draining &&
 		(e.capacity == 0 || e.inFlight < e.capacity) && e.keys == nil && e.repute == nil
 }
+
+// publishes reports whether e's agent has published entries to the prefix
+// index: whether the index knows what e holds.
+func (e *endpoint) publishes() bool {
+	return e.ix != nil && len(e.ix.blocks) > 0
+}

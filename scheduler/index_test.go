@@ -228,6 +228,54 @@ func TestPickSessionRulesKeptWithPrefix(t *testing.T) {
 	}
 }
 
+// A session's endpoint that publishes its cache competes on the prefix
+// cost: it keeps its session while it is as good as any (ties go to it),
+// and a request is sent where it starts sooner once a backlog builds there,
+// as a request without a key would be.
+func TestPickSessionEndpointCompetesOnCost(t *testing.T) {
+	s, _ := newTest(t, Config{ColdStartSamples: 1}, ep("a"), ep("b"))
+	chain := seqChain(1, 100)
+	a := s.Begin(Request{Model: "m", SessionKey: "k"})
+	c := mustPick(t, a)
+	a.Report(c, Outcome{Status: 200, Latency: time.Millisecond})
+	home, other := c.EndpointID, "a"
+	if home == "a" {
+		other = "b"
+	}
+	s.IndexReset(home, chain)
+	s.IndexReset(other, chain)
+	for range 3 {
+		a := s.Begin(Request{Model: "m", SessionKey: "k", Prefix: chain})
+		c := mustPick(t, a)
+		if c.EndpointID != home || c.Affinity != AffinityHit || c.CachedBlocks != 100 {
+			t.Fatalf("equal endpoints: the session went to %s (%s, %d cached), home %s", c.EndpointID, c.Affinity, c.CachedBlocks, home)
+		}
+		a.Report(c, Outcome{Status: 200, Latency: time.Millisecond})
+	}
+	// Home holds the prefix alone: a request or two in flight there
+	// do not move the session.
+	s.IndexReset(other, nil)
+	onHome := func(base uint64) Choice {
+		return mustPick(t, s.Begin(Request{Model: "m", Prefix: seqChain(base, 50),
+			Allow: func(id string) bool { return id == home }}))
+	}
+	onHome(10_000)
+	if c := mustPick(t, s.Begin(Request{Model: "m", SessionKey: "k", Prefix: chain})); c.EndpointID != home {
+		t.Fatalf("home holds the prefix with one request ahead; the session went to %s", c.EndpointID)
+	}
+	// Both hold it again and home has prompts to prefill ahead: the
+	// session goes where it starts at once.
+	s.IndexReset(other, chain)
+	for i := range 4 {
+		onHome(uint64(20_000 + 1000*i))
+	}
+	c = mustPick(t, s.Begin(Request{Model: "m", SessionKey: "k", Prefix: chain}))
+	if c.EndpointID != other || c.Affinity != AffinityMiss || c.CachedBlocks != 100 {
+		t.Fatalf("home has a prefill backlog, the other endpoint the same prefix: the session went to %s (%s, %d cached)",
+			c.EndpointID, c.Affinity, c.CachedBlocks)
+	}
+}
+
 // BenchmarkIndexMemory measures the merged index at 1,000 endpoints of
 // 16,384 blocks each, a quarter of them a prefix every endpoint shares, and
 // reports its heap bytes per (block, endpoint) entry.

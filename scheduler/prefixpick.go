@@ -1,8 +1,12 @@
 package scheduler
 
+import "math"
+
 // Prefix placement: the sticky policy's choice for a request that has a
 // prompt prefix but no live session mapping (no key, a new or expired
-// session, or one whose endpoint cannot take it now).
+// session, or one whose endpoint cannot take it now), and for one whose
+// mapped endpoint publishes its cache: that endpoint competes here at its
+// affinity capacity and wins ties.
 //
 // Each admitted endpoint is given a cost in blocks, after NVIDIA Dynamo's
 // KV router (prefill blocks left after the overlap plus the load): the
@@ -123,6 +127,9 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 			f /= e.weight * e.successRate(sc.decay)
 		}
 		hrw := mix64(key ^ e.idHash)
+		if e == a.mapped {
+			hrw = math.MaxUint64 // the session's endpoint wins among equals
+		}
 		uncached := float64(len(chain) - ov)
 		hi.offer(e, (base+uncached*(1+cacheBias))*f, hrw, avoid, ov, sload, backlog)
 		lo.offer(e, (base+uncached*(1+hotCacheBias))*f, hrw, avoid, ov, sload, backlog)
