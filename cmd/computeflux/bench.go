@@ -36,7 +36,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	if cfg.Sweep.Enabled {
-		return runSweep(ctx, cfg, scenarios, asJSON, stdout)
+		return runSweep(ctx, cfg, scenarios, asJSON, plot, stdout)
 	}
 	var reports []*bench.Report
 	for _, sc := range scenarios {
@@ -109,7 +109,7 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.DurationVar(&cfg.Timeout, "timeout", 0, "live: bound on one policy's run in real time (default 5m)")
 	fs.BoolVar(&asJSON, "json", false, "print JSON instead of tables")
 	fs.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
-	fs.StringVar(&plot, "plot", "", "also write an SVG chart of each policy's time to first token (p50, p95, p99) to this `file`")
+	fs.StringVar(&plot, "plot", "", "also write an SVG chart to this `file`: each policy's time to first token (p50, p95, p99), or with --sweep its TTFT p90 against the rate offered")
 	// Workload knobs.
 	fs.Float64Var(&cfg.SessionRate, "session-rate", 0.5, "new chat sessions per second (model time) per engine")
 	fs.IntVar(&cfg.Chat.SystemTokens, "system-tokens", 2000, "length of the system prompt all sessions share")

@@ -9,8 +9,9 @@ import (
 )
 
 // runSweep runs the capacity sweep (bench --sweep) and prints its tables
-// or JSON.
-func runSweep(ctx context.Context, cfg bench.Config, scenarios []bench.Scenario, asJSON bool, stdout io.Writer) error {
+// or JSON; with plot, it also writes the chart of TTFT p90 against the
+// rate offered there.
+func runSweep(ctx context.Context, cfg bench.Config, scenarios []bench.Scenario, asJSON bool, plot string, stdout io.Writer) error {
 	if len(scenarios) != 1 {
 		return errors.New("bench: --sweep runs one scenario")
 	}
@@ -18,6 +19,11 @@ func runSweep(ctx context.Context, cfg bench.Config, scenarios []bench.Scenario,
 	rp, err := bench.RunSweep(ctx, cfg)
 	if err != nil {
 		return err
+	}
+	if plot != "" {
+		if err := writeSweepPlotFile(plot, rp); err != nil {
+			return err
+		}
 	}
 	if asJSON {
 		return rp.WriteJSON(stdout)
