@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/computeflux/computeflux/relay/relaytest/poll"
 	"github.com/computeflux/computeflux/transport"
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/peer"
@@ -222,16 +223,8 @@ func runAgent(t *testing.T, cfg Config) (*Agent, context.CancelFunc) {
 	return a, func() { once.Do(stop) }
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
+// waitFor polls cond until it holds or a generous deadline passes.
+var waitFor = poll.Eventually
 
 func TestAgentJoinsAndStreams(t *testing.T) {
 	eng := newEngine(t)

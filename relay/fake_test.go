@@ -20,6 +20,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/rs/zerolog"
 
+	"github.com/computeflux/computeflux/relay/relaytest/poll"
 	"github.com/computeflux/computeflux/transport"
 )
 
@@ -309,13 +310,4 @@ func readEvents(t *testing.T, r io.Reader) []string {
 }
 
 // waitFor polls cond until it holds or a generous deadline passes.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
+var waitFor = poll.Eventually

@@ -22,6 +22,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest/poll"
 	"github.com/computeflux/computeflux/transport"
 )
 
@@ -179,16 +180,7 @@ func newHost(t testing.TB) host.Host {
 }
 
 // waitFor polls cond until it holds or a generous deadline passes.
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
+var waitFor = poll.Eventually
 
 // waitAgents waits until each named agent is joined with its models and is
 // neither draining nor dead, so requests may be routed to it. /v1/models

@@ -12,7 +12,8 @@ import (
 	"sync"
 	"syscall"
 	"testing"
-	"time"
+
+	"github.com/computeflux/computeflux/relay/relaytest/poll"
 )
 
 type lockedBuffer struct {
@@ -159,13 +160,5 @@ func TestRelayStatusAdminAndHangup(t *testing.T) {
 	}
 }
 
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
+// waitUntil polls cond until it holds or a generous deadline passes.
+var waitUntil = poll.Eventually

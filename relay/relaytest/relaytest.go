@@ -32,6 +32,7 @@ import (
 	agentpkg "github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest/poll"
 	"github.com/computeflux/computeflux/scheduler"
 )
 
@@ -76,6 +77,10 @@ type Config struct {
 	// value discards them.
 	Logger zerolog.Logger
 }
+
+// Eventually polls cond until it holds, and fails t after poll.Timeout:
+// the one way the tests wait for what other goroutines or processes do.
+var Eventually = poll.Eventually
 
 func (c *Config) populate() {
 	if c.Engines == 0 {

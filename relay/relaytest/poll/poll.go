@@ -1,0 +1,37 @@
+// Package poll is the tests' one way to wait for a condition that other
+// goroutines or processes bring about: it depends on nothing but the
+// standard library, so the tests of every package, the agent's and the
+// scheduler's included, may use it without an import cycle.
+package poll
+
+import (
+	"testing"
+	"time"
+)
+
+// Timeout is how long Eventually waits: long enough for a slow, loaded
+// machine, short enough that a hung test fails well inside the test
+// binary's timeout. It only guards against a hang; a test that claims a
+// time bound measures it itself.
+const Timeout = 30 * time.Second
+
+// Interval is how often Eventually checks.
+const Interval = 5 * time.Millisecond
+
+// Eventually checks cond every Interval until it holds, and fails t with
+// "timed out waiting for what" when it still does not after Timeout.
+func Eventually(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	within(t, Timeout, what, cond)
+}
+
+func within(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(Interval)
+	}
+}
