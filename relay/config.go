@@ -75,7 +75,7 @@ type Config struct {
 	// Gossip configures membership gossip among the relay and its agents;
 	// the zero value runs it with the home preset (see GossipConfig).
 	Gossip GossipConfig
-	// Peers configures session sharing with peer relays (peers.go); the
+	// Peers configures session sharing with peer relays (package peering); the
 	// zero value shares with the relays the agents name.
 	Peers PeersConfig
 	// WarmUp, if set, holds back accepting HTTP connections after the start
@@ -211,7 +211,9 @@ type Config struct {
 	// auditAddr, when set, stands in for an agent's address in the audits'
 	// independence groups (audits.go). Tests only.
 	auditAddr func(agent string) netip.Addr
-	// peerSyncWait replaces peerSyncWait (peers.go) when set. Tests only.
+	// peerSyncWait replaces how long a relay that has just started waits
+	// for a newly learned peer's table (peering.Config.SyncWait) when set.
+	// Tests only.
 	peerSyncWait time.Duration
 }
 

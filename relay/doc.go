@@ -44,7 +44,7 @@
 //     (messages.go).
 //   - finish (proxy.go): report the outcome to the route, give back the
 //     queue's slot, share a new session binding with the peer relays
-//     (peers.go), hand the answer to the auditor (audits.go), and count and
+//     (peers.go, package peering), hand the answer to the auditor (audits.go), and count and
 //     log an attempt that failed (metrics.go, providers.go).
 //
 // # Subsystems
@@ -58,9 +58,11 @@
 //     stalls out of those checks. prefix.go takes the agents' prefix index
 //     streams into the scheduler. agentusage.go answers an agent's query for
 //     its own usage.
-//   - Peer relays (peers.go): session bindings shared with the other relays
-//     of a fleet, and the spending of clients with a budget, sent to the
-//     peers the operator named.
+//   - Peer relays (peers.go): the relay's side of package peering, which
+//     shares session bindings with the other relays of a fleet, and the
+//     spending of clients with a budget with the peers the operator named;
+//     peers.go builds it from what it needs of the relay and holds the
+//     request path's hooks (installBinding, bindingPending, shareBinding).
 //   - Audits (audits.go): the relay's side of package auditor, which runs
 //     them: the fleet it sees and how its requests go out. While audits run,
 //     forward.go gives every chat and completions request to an agent a seed
@@ -81,11 +83,12 @@
 //   - Ledger and budgets: usage.go records each request in package ledger
 //     and checks a client's budget; usage_admin.go reports usage.
 //   - Metrics (metrics.go): the relay's Prometheus registry; gossip.go,
-//     peers.go and prefix.go add collectors of their own.
+//     package peering and prefix.go add collectors of their own.
 //   - TLS: NewTLSListener serves certificate files and picks up renewed ones
 //     (tls.go); ACME obtains and renews certificates itself (acme.go).
 //
-// Subpackages: auditor runs the audits, ledger keeps the usage ledger,
-// relaytest runs a whole cluster in one process for tests, benchmarks and
-// demos, and internal/threadcpu measures benchmarks' CPU time.
+// Subpackages: auditor runs the audits, peering shares session bindings and
+// spending with peer relays, ledger keeps the usage ledger, relaytest runs
+// a whole cluster in one process for tests, benchmarks and demos, and
+// internal/threadcpu measures benchmarks' CPU time.
 package relay

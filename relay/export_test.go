@@ -25,7 +25,7 @@ func WithPeerSyncWait(c *Config, d time.Duration) { c.peerSyncWait = d }
 
 // DelayPeerSnapshots makes r wait d before it sends its binding table to
 // a peer relay, so that a test sees what a slow table costs.
-func DelayPeerSnapshots(r *Relay, d time.Duration) { r.peers.snapshotDelay.Store(int64(d)) }
+func DelayPeerSnapshots(r *Relay, d time.Duration) { r.peers.SetSnapshotDelay(d) }
 
 // ShareBinding records a success of session on agent ep for the peer
 // relays, as a served request does.

@@ -309,7 +309,7 @@ func (r *Relay) startP2PAdmission(relays map[peer.ID]bool) {
 				return
 			case now := <-t.C:
 				for _, p := range r.reg.overdue(now) {
-					if r.reg.IsJoined(p) || relays[p] || (r.peers != nil && r.peers.known(p)) {
+					if r.reg.IsJoined(p) || relays[p] || r.peerKnown(p) {
 						continue
 					}
 					r.log.Debug().Stringer("peer", p).Msg("disconnecting a peer that did not join")

@@ -251,7 +251,7 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 	// Sessions keep their agent across relays, the kill and the restart:
 	// a binding made on one relay is shared with the other, the surviving
 	// relay holds every binding, and the restarted one rebuilds them from
-	// it before it places a follow-up (peers.go: the resync and the wait).
+	// it before it places a follow-up (package peering: the resync and the wait).
 	// What shows the sharing is the follow-up sent to the other relay than
 	// the turn before: 445 of 445 of those stayed (432 of 432 and 449 of
 	// 449 in other runs; with 8 busy loops beside the test, 24 of 25, 27

@@ -144,7 +144,7 @@ func (f *fairQueue) dispatch() {
 			w := it.Value
 			if f.r.bindingPending(w.att.Request().SessionKey) {
 				// A relay that has just started: the session's binding
-				// may be on its way from a peer relay (peers.go).
+				// may be on its way from a peer relay (package peering).
 				break
 			}
 			c, err := w.att.Pick()

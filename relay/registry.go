@@ -35,7 +35,7 @@ type Registry struct {
 	// prefix index entries were dropped while they stayed joined (prefix.go).
 	index *indexService
 	// onRelays, if set, is called with the relays a joining or updating
-	// agent names (peers.go): with mu held on a join, so that they are
+	// agent names (package peering): with mu held on a join, so that they are
 	// known before the agent is routable; without on an update.
 	onRelays func([]string)
 	// onJoined, if set, is called (without mu held) once an agent has
@@ -208,7 +208,7 @@ func (g *Registry) Joined(p peer.ID, info transport.JoinInfo) error {
 	}
 	// The agent's other relays are learned before it is routable, so that
 	// a request it could serve first waits for their session bindings
-	// (peers.go; it takes its own lock and never the registry's). A peer
+	// (package peering; it takes its own lock and never the registry's). A peer
 	// relay still has to prove the join secret.
 	if g.onRelays != nil && len(info.Relays) > 0 {
 		g.onRelays(info.Relays)

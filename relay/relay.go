@@ -20,6 +20,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay/auditor"
+	"github.com/computeflux/computeflux/relay/peering"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -53,9 +54,9 @@ type Relay struct {
 	join    io.Closer     // the join service on host
 	index   *indexService // prefix index streams on host; nil with NoP2P
 
-	gossip *relayGossip // nil when gossip is off or without a host
-	live   *liveness    // request-path liveness; nil without our own libp2p round tripper
-	peers  *peerManager // nil when sharing with peer relays is off or without a host
+	gossip *relayGossip     // nil when gossip is off or without a host
+	live   *liveness        // request-path liveness; nil without our own libp2p round tripper
+	peers  *peering.Manager // nil when sharing with peer relays is off or without a host (peers.go)
 	// circuits counts the circuit relay service's work (own host only).
 	circuits transport.RelayCounters
 	// draining is set once the relay starts stopping; gossip publishes it.
@@ -153,8 +154,8 @@ func New(cfg Config) (*Relay, error) {
 		}
 		if !cfg.Peers.Disabled {
 			// Before the join service: agents' relay lists feed it.
-			r.peers = newPeerManager(r)
-			r.reg.onRelays = r.peers.hint
+			r.peers = newPeers(r)
+			r.reg.onRelays = r.peers.Hint
 		}
 		r.reg.onJoined = r.claimAgent // agentusage.go
 		join, err := transport.ServeJoin(r.host, cfg.Token, r.reg)
@@ -204,8 +205,8 @@ func New(cfg Config) (*Relay, error) {
 			r.metrics.reg.MustRegister(gossipCollector{r})
 		}
 		if r.peers != nil {
-			r.peers.start()
-			r.metrics.reg.MustRegister(peerCollector{r.peers})
+			r.peers.Start()
+			r.metrics.reg.MustRegister(r.peers.Collector())
 		}
 		if r.rt == nil {
 			r.rt = transport.NewRoundTripper(r.host)
@@ -353,7 +354,7 @@ func (r *Relay) Close() error {
 			r.bgWG.Wait()
 		}
 		if r.peers != nil {
-			r.peers.stop()
+			r.peers.Stop()
 		}
 		r.providers.close()
 		if r.gossip != nil {
@@ -361,7 +362,7 @@ func (r *Relay) Close() error {
 		}
 		if r.peers != nil {
 			// After gossip: a gossip join in progress returns at its shutdown.
-			r.peers.wait()
+			r.peers.Wait()
 		}
 		if r.join != nil {
 			r.host.RemoveStreamHandler(transport.AgentUsageProtocol)
@@ -436,7 +437,7 @@ func (r *Relay) forgetAgent(name string) {
 // disconnection. Peer relays and an embedder's host are left alone. It
 // does no I/O (network notifiers call it).
 func (r *Relay) forgetPeer(p peer.ID) {
-	if !r.ownHost || r.reg.IsJoined(p) || r.isGossipRelay(p) || (r.peers != nil && r.peers.known(p)) {
+	if !r.ownHost || r.reg.IsJoined(p) || r.isGossipRelay(p) || r.peerKnown(p) {
 		return
 	}
 	if c := r.host.Network().Connectedness(p); c == network.Connected || c == network.Limited {

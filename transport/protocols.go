@@ -19,7 +19,7 @@ const (
 	// AppendPrefixFrame). The agent opens it after joining.
 	PrefixProtocol protocol.ID = "/computeflux/prefix/1.0.0"
 	// SessionsProtocol carries session bindings, and what clients with a
-	// budget spent, from one relay to a peer relay (relay/peers.go).
+	// budget spent, from one relay to a peer relay (relay/peering).
 	SessionsProtocol protocol.ID = "/computeflux/sessions/3.0.0"
 	// SessionsProtocolV2 is SessionsProtocol without spending: relays of
 	// the previous version still share bindings with this one.

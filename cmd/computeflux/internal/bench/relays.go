@@ -10,7 +10,7 @@ import (
 
 // Several relays in the simulation (Config.Relays > 1): one scheduler per
 // relay, each request sent to a relay chosen at random, and the session
-// bindings shared as the relays share them (relay/peers.go): every relay
+// bindings shared as the relays share them (relay/peering): every relay
 // keeps a scheduler.BindingTable; a local success that is news (a new
 // binding, a move, or a refresh due) reaches the other relays PeerDelay of
 // model time later, where it is merged and installed with Scheduler.Bind;
@@ -103,7 +103,7 @@ func (r *simRun) shareSuccess(c *simCall) {
 	if !share {
 		return
 	}
-	// The wire size of one binding (relay/peers.go encodeBindings): two
+	// The wire size of one binding (relay/peering encodeBindings): two
 	// length-prefixed strings, gen, since and last-since as varints.
 	size := int64(len(b.Key) + len(b.Endpoint) + 2 + 1 + 9 + 4)
 	for j := range sr.scheds {
