@@ -3,7 +3,6 @@ package relay
 import (
 	"bufio"
 	"bytes"
-	"container/list"
 	"encoding/json"
 	"errors"
 	"net/http"
@@ -15,6 +14,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/peer"
 
 	"github.com/computeflux/computeflux/scheduler"
+	"github.com/computeflux/computeflux/scheduler/slab"
 )
 
 // The Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id})
@@ -51,33 +51,42 @@ type respEntry struct {
 
 // responseStore maps response ids to the agent that holds them: bounded
 // (least recently used evicted) and expiring after ttl without use, like
-// the scheduler's sessions. It is safe for concurrent use.
+// the scheduler's session table, and built the same way: entries in a
+// slab ordered by a slab.List, so a response stored costs no allocation of
+// its own once the slab has grown. It is safe for concurrent use.
 type responseStore struct {
 	ttl time.Duration
 	max int
 
-	mu   sync.Mutex // guards the following fields
-	byID map[string]*list.Element
-	lru  *list.List // of *respEntry, most recent at the front
+	mu      sync.Mutex // guards the following fields
+	byID    map[string]int32
+	entries []respEntry // by slot
+	order   slab.List   // entries' slots, most recently used first
 }
 
 func newResponseStore(ttl time.Duration, max int) *responseStore {
-	return &responseStore{ttl: ttl, max: max, byID: make(map[string]*list.Element), lru: list.New()}
+	return &responseStore{ttl: ttl, max: max, byID: make(map[string]int32), order: slab.New()}
 }
 
 // put records that agent (peer p) holds response id for model.
 func (s *responseStore) put(id, agent string, p peer.ID, model string, now time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if el, ok := s.byID[id]; ok {
-		e := el.Value.(*respEntry)
-		e.agent, e.peer, e.model, e.seen = agent, p, model, now
-		s.lru.MoveToFront(el)
+	e := respEntry{id: id, agent: agent, peer: p, model: model, seen: now}
+	if i, ok := s.byID[id]; ok {
+		s.entries[i] = e
+		s.order.Touch(i)
 		return
 	}
-	s.byID[id] = s.lru.PushFront(&respEntry{id: id, agent: agent, peer: p, model: model, seen: now})
-	for s.lru.Len() > s.max {
-		s.removeLocked(s.lru.Back())
+	i, grew := s.order.Alloc()
+	if grew {
+		s.entries = append(s.entries, e)
+	} else {
+		s.entries[i] = e
+	}
+	s.byID[id] = i
+	for len(s.byID) > s.max {
+		s.removeLocked(s.order.Tail())
 	}
 }
 
@@ -87,34 +96,34 @@ func (s *responseStore) get(id string, now time.Time) (respEntry, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.expireLocked(now)
-	el, ok := s.byID[id]
+	i, ok := s.byID[id]
 	if !ok {
 		return respEntry{}, false
 	}
-	e := el.Value.(*respEntry)
-	e.seen = now
-	s.lru.MoveToFront(el)
-	return *e, true
+	s.entries[i].seen = now
+	s.order.Touch(i)
+	return s.entries[i], true
 }
 
 // drop forgets response id.
 func (s *responseStore) drop(id string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if el, ok := s.byID[id]; ok {
-		s.removeLocked(el)
+	if i, ok := s.byID[id]; ok {
+		s.removeLocked(i)
 	}
 }
 
 func (s *responseStore) expireLocked(now time.Time) {
-	for el := s.lru.Back(); el != nil && now.Sub(el.Value.(*respEntry).seen) > s.ttl; el = s.lru.Back() {
-		s.removeLocked(el)
+	for i := s.order.Tail(); i >= 0 && now.Sub(s.entries[i].seen) > s.ttl; i = s.order.Tail() {
+		s.removeLocked(i)
 	}
 }
 
-func (s *responseStore) removeLocked(el *list.Element) {
-	delete(s.byID, el.Value.(*respEntry).id)
-	s.lru.Remove(el)
+func (s *responseStore) removeLocked(i int32) {
+	delete(s.byID, s.entries[i].id)
+	s.entries[i] = respEntry{} // its strings go with it
+	s.order.Release(i)
 }
 
 // agentsServing returns the names of the joined agents whose engines list
