@@ -6,13 +6,13 @@ import (
 	"errors"
 	"io"
 	"net/http"
-	"strconv"
 	"strings"
 	"sync"
 
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/scheduler/jsonscan"
 	"github.com/computeflux/computeflux/transport"
+	"github.com/computeflux/computeflux/transport/usage"
 )
 
 // maxHashedBody bounds the request body the agent reads to hash it; larger
@@ -235,49 +235,21 @@ func isEventStream(ct string) bool {
 	return strings.HasPrefix(ct, "text/event-stream")
 }
 
-// usage is what an answer said about its prompt.
-type usage struct {
-	seen           bool
-	prompt, cached int
-}
-
-// usageFields is the part of an answer (or a stream chunk) read for usage.
-type usageFields struct {
-	Choices []json.RawMessage `json:"choices"`
-	Usage   *struct {
-		PromptTokens int `json:"prompt_tokens"`
-		Details      *struct {
-			CachedTokens int `json:"cached_tokens"`
-		} `json:"prompt_tokens_details"`
-	} `json:"usage"`
-}
-
-func (f *usageFields) usage() usage {
-	if f.Usage == nil {
-		return usage{}
-	}
-	u := usage{seen: true, prompt: f.Usage.PromptTokens}
-	if f.Usage.Details != nil {
-		u.cached = f.Usage.Details.CachedTokens
-	}
-	return u
-}
-
-// readUsage reads an answer (or a stream chunk's data) as
-// json.Unmarshal into usageFields would: u is the top-level usage object's
-// prompt_tokens and prompt_tokens_details.cached_tokens (u.seen false
-// without a usage object); noChoices reports an empty or missing choices
-// array; ok is false for what is not a JSON object. It scans the keys
-// without allocating; anything its scan does not decide as encoding/json
-// would (escaped or non-ASCII keys, values of an unexpected type, a scan
-// that fails) goes to readUsageJSON. Unmarshalling every answer was most
-// of the agent's encoding/json time, and json.Valid alone still showed in
-// its profile: the scan checks the structure and the values it reads, not
-// every scalar, so an answer malformed only in some other scalar (`tru`)
-// still has its usage read, where encoding/json would refuse it. The usage
-// only corrects the prefix index's estimate, and the client gets the
-// engine's bytes as they are either way.
-func readUsage(data []byte) (u usage, noChoices, ok bool) {
+// readUsage reads an answer (or a stream chunk's data) as encoding/json
+// would read its top-level choices and usage: u is what its usage object
+// says (usage.Counts.Read; u.Seen false without one); noChoices reports an
+// empty or missing choices array; ok is false for what is not a JSON
+// object. It scans the top-level keys without allocating; anything its
+// scan does not decide as encoding/json would (escaped or non-ASCII keys,
+// values of an unexpected type, a scan that fails) goes to readUsageJSON.
+// Unmarshalling every answer was most of the agent's encoding/json time,
+// and json.Valid alone still showed in its profile: the scan checks the
+// structure and the values it reads, not every scalar, so an answer
+// malformed only in some other scalar (`tru`) still has its usage read,
+// where encoding/json would refuse it. The usage only corrects the prefix
+// index's estimate, and the client gets the engine's bytes as they are
+// either way.
+func readUsage(data []byte) (u usage.Counts, noChoices, ok bool) {
 	var choices, usg []byte
 	if !jsonscan.PlainObject(data, func(k, v []byte) {
 		switch {
@@ -298,60 +270,33 @@ func readUsage(data []byte) (u usage, noChoices, ok bool) {
 		return readUsageJSON(data) // a type error
 	}
 	if usg == nil || string(usg) == "null" {
-		return usage{}, noChoices, true
+		return u, noChoices, true
 	}
 	if usg[0] != '{' {
-		return readUsageJSON(data)
+		return readUsageJSON(data) // a type error
 	}
-	var prompt, details []byte
-	plain := jsonscan.PlainObject(usg, func(k, v []byte) {
-		switch {
-		case jsonscan.KeyEqualFold(k, "prompt_tokens"):
-			prompt = v
-		case jsonscan.KeyEqualFold(k, "prompt_tokens_details"):
-			details = v
-		}
-	})
-	u.seen = true
-	var cached []byte
-	if plain && details != nil && string(details) != "null" {
-		if details[0] != '{' {
-			return readUsageJSON(data)
-		}
-		plain = jsonscan.PlainObject(details, func(k, v []byte) {
-			if jsonscan.KeyEqualFold(k, "cached_tokens") {
-				cached = v
-			}
-		})
-	}
-	var okP, okC bool
-	u.prompt, okP = jsonInt(prompt)
-	u.cached, okC = jsonInt(cached)
-	if !plain || !okP || !okC {
-		return readUsageJSON(data)
-	}
+	u.Read(usg)
 	return u, noChoices, true
-}
-
-// jsonInt reads a JSON value into an int as encoding/json would, for the
-// plain cases: absent or null is 0, a decimal integer its value; anything
-// else reports false.
-func jsonInt(v []byte) (int, bool) {
-	if v == nil || string(v) == "null" {
-		return 0, true
-	}
-	n, err := strconv.ParseInt(string(v), 10, 0)
-	return int(n), err == nil
 }
 
 // readUsageJSON is readUsage with encoding/json: the reference it keeps
 // to, and its path for what its scan does not decide.
-func readUsageJSON(data []byte) (u usage, noChoices, ok bool) {
-	var f usageFields
-	if json.Unmarshal(data, &f) != nil {
-		return usage{}, false, false
+func readUsageJSON(data []byte) (u usage.Counts, noChoices, ok bool) {
+	var f struct {
+		Choices []json.RawMessage `json:"choices"`
+		Usage   json.RawMessage   `json:"usage"`
 	}
-	return f.usage(), len(f.Choices) == 0, true
+	if json.Unmarshal(data, &f) != nil {
+		return u, false, false
+	}
+	switch {
+	case len(f.Usage) == 0 || string(f.Usage) == "null":
+	case f.Usage[0] != '{':
+		return u, false, false // not an object: encoding/json's type error
+	default:
+		u.Read(f.Usage)
+	}
+	return u, len(f.Choices) == 0, true
 }
 
 // keptBuffers hold non-streamed answers while their usage is read; only
@@ -394,7 +339,7 @@ type usageBody struct {
 	err  error   // the upstream's read error, once seen
 	kept *[]byte // from keptBuffers
 	over bool    // the JSON answer was larger than maxUsageJSON
-	u    usage
+	u    usage.Counts
 	done bool // the usage was reported (or the answer cut short)
 }
 
@@ -541,7 +486,7 @@ func (b *usageBody) usageOnly(ev []byte) bool {
 		}
 	}
 	u, noChoices, ok := readUsage(data)
-	if !ok || !u.seen {
+	if !ok || !u.Seen {
 		return false
 	}
 	b.u = u
@@ -570,8 +515,8 @@ func (b *usageBody) finishJSON(answer []byte) {
 	}
 	b.done = true
 	b.release()
-	if b.index != nil && b.u.seen {
-		b.index.answered(b.chain, b.predicted, b.u.prompt, b.u.cached)
+	if b.index != nil && b.u.Seen {
+		b.index.answered(b.chain, b.predicted, int(b.u.Prompt), int(b.u.Cached))
 	}
 }
 

@@ -16,6 +16,7 @@ import (
 
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/scheduler/jsonscan"
+	"github.com/computeflux/computeflux/transport/usage"
 )
 
 func TestAskUsage(t *testing.T) {
@@ -225,7 +226,7 @@ func TestUsageBodyEventsAcrossReads(t *testing.T) {
 				t.Fatal(err)
 			}
 			got := b.u
-			if !got.seen || got.prompt != 10 || got.cached != 7 {
+			if !got.Seen || got.Prompt != 10 || got.Cached != 7 {
 				t.Fatalf("step %d: usage %+v", step, got)
 			}
 			if strip == strings.Contains(string(out), "usage") || !strings.HasSuffix(string(out), "data: [DONE]\n\n") {
@@ -269,7 +270,7 @@ func TestUsageBodyCRLFEvents(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if string(out) != first+"data: [DONE]\r\n\r\n" || b.u.prompt != 10 || b.u.cached != 7 {
+		if string(out) != first+"data: [DONE]\r\n\r\n" || b.u.Prompt != 10 || b.u.Cached != 7 {
 			t.Fatalf("step %d: %q, usage %+v", step, out, b.u)
 		}
 	}
@@ -284,7 +285,7 @@ func TestUsageBodyLongEvents(t *testing.T) {
 	text := "data: {\"choices\":[{\"delta\":{\"content\":\"" + strings.Repeat("x", 40<<10) + "\"}}]}\n\n"
 	for _, tc := range []struct {
 		name, stream, want string
-		prompt             int
+		prompt             int64
 	}{
 		{"long usage chunk", text + usageEv + "data: [DONE]\n\n", text + "data: [DONE]\n\n", 10},
 		{"usage chunk past the bound", text + huge + "data: [DONE]\n\n", text + huge + "data: [DONE]\n\n", 0},
@@ -295,7 +296,7 @@ func TestUsageBodyLongEvents(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if string(out) != tc.want || b.u.prompt != tc.prompt {
+			if string(out) != tc.want || b.u.Prompt != tc.prompt {
 				t.Fatalf("%s, reads of %d: %d bytes out (want %d), usage %+v", tc.name, step, len(out), len(tc.want), b.u)
 			}
 		}
@@ -375,7 +376,7 @@ func TestEngineKVCapacityLlamaCpp(t *testing.T) {
 // its events (cut at blank lines, after "\n" or "\r\n") but the usage
 // chunks when strip is set, an unfinished last event as it is, and the
 // last usage read.
-func cutEvents(data []byte, strip bool) ([]byte, usage) {
+func cutEvents(data []byte, strip bool) ([]byte, usage.Counts) {
 	var b usageBody
 	var out []byte
 	for {
@@ -495,7 +496,7 @@ func TestScansMatchEncodingJSON(t *testing.T) {
 	for _, s := range usageScanSeeds {
 		checkScans(t, []byte(s))
 	}
-	if u, none, ok := readUsage([]byte(`{"choices":[],"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":7}}}`)); !ok || !none || u != (usage{seen: true, prompt: 10, cached: 7}) {
+	if u, none, ok := readUsage([]byte(`{"choices":[],"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":7}}}`)); !ok || !none || u != (usage.Counts{Seen: true, Prompt: 10, Cached: 7}) {
 		t.Fatalf("readUsage: %+v %v %v", u, none, ok)
 	}
 }

@@ -80,8 +80,9 @@
 //     manual quarantine and release (audits.go).
 //   - Queue (queue.go): requests wait for room, fairly between clients, and
 //     a relay that has just started holds requests while its agents rejoin.
-//   - Ledger and budgets: usage.go records each request in package ledger
-//     and checks a client's budget; usage_admin.go reports usage.
+//   - Ledger and budgets: usage.go records each request in package ledger,
+//     with the counts package transport/usage reads from the answer, and
+//     checks a client's budget; usage_admin.go reports usage.
 //   - Metrics (metrics.go): the relay's Prometheus registry; gossip.go,
 //     package peering and prefix.go add collectors of their own.
 //   - TLS: NewTLSListener serves certificate files and picks up renewed ones

@@ -59,8 +59,8 @@ func (f *sseFramer) readUsage(data []byte) bool {
 		return false
 	}
 	u := f.usage
-	u.seen = false
-	if u.scanTail(data); !u.seen {
+	u.Seen = false
+	if u.scanTail(data); !u.Seen {
 		return false
 	}
 	f.usage = u

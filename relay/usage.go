@@ -2,11 +2,11 @@ package relay
 
 import (
 	"bytes"
-	"strconv"
 	"time"
 
 	"github.com/computeflux/computeflux/relay/ledger"
 	"github.com/computeflux/computeflux/scheduler/jsonscan"
+	"github.com/computeflux/computeflux/transport/usage"
 )
 
 // Recording into the usage ledger. The copy stages note what the answer
@@ -23,12 +23,9 @@ const estimateBytesPerToken = 4
 // no keys.
 const anonymousClient = "anonymous"
 
-// tokenUsage is what an answer said about its tokens. The zero value says
-// nothing.
-type tokenUsage struct {
-	seen                       bool
-	prompt, cached, completion int64
-}
+// tokenUsage is what an answer said about its tokens, read from the
+// usage object an answer ends with. The zero value says nothing.
+type tokenUsage struct{ usage.Counts }
 
 // usageKey is how a usage object's key is found in an answer's bytes.
 var usageKey = []byte(`"usage"`)
@@ -82,60 +79,7 @@ func (u *tokenUsage) readAt(data []byte, i int) bool {
 	if !ok {
 		return false
 	}
-	return u.readObject(data[i:end])
-}
-
-// readObject reads a usage object: OpenAI's names (prompt_tokens,
-// completion_tokens, prompt_tokens_details.cached_tokens) or those of the
-// Responses and Messages APIs (input_tokens, output_tokens,
-// input_tokens_details.cached_tokens, cache_read_input_tokens). Fields
-// present replace what u held; absent ones keep it (a Messages stream
-// gives its input and output counts in different events). A Messages
-// usage's input_tokens leave out the cache's reads and writes
-// (cache_read_input_tokens, cache_creation_input_tokens): the prompt is
-// their sum.
-func (u *tokenUsage) readObject(obj []byte) bool {
-	var prompt, cached, completion, details, created []byte
-	if !jsonscan.Object(obj, func(k, v []byte) {
-		switch string(k) {
-		case "prompt_tokens", "input_tokens":
-			prompt = v
-		case "completion_tokens", "output_tokens":
-			completion = v
-		case "prompt_tokens_details", "input_tokens_details":
-			details = v
-		case "cache_read_input_tokens":
-			cached = v
-		case "cache_creation_input_tokens":
-			created = v
-		}
-	}) {
-		return false
-	}
-	if len(cached) > 0 || len(created) > 0 {
-		if n, ok := jsonscan.Count(prompt); ok {
-			r, _ := jsonscan.Count(cached)
-			c, _ := jsonscan.Count(created)
-			prompt = strconv.AppendInt(nil, n+r+c, 10)
-		}
-	}
-	if len(details) > 0 && details[0] == '{' {
-		jsonscan.Object(details, func(k, v []byte) {
-			if string(k) == "cached_tokens" {
-				cached = v
-			}
-		})
-	}
-	for _, f := range [...]struct {
-		v []byte
-		n *int64
-	}{{prompt, &u.prompt}, {cached, &u.cached}, {completion, &u.completion}} {
-		if n, ok := jsonscan.Count(f.v); ok {
-			*f.n = n
-			u.seen = true
-		}
-	}
-	return true
+	return u.Read(data[i:end])
 }
 
 // recordUsage records p's request, once it finished after taking dur, in
@@ -152,7 +96,7 @@ func (r *Relay) recordUsage(p *proxied, end time.Time) {
 	rl := &p.rl
 	// A stream whose client left after its usage chunk was served whole.
 	e := ledger.Entry{Time: end, Client: anonymousClient, Model: rl.model, Serving: rl.serving,
-		Error: !rl.answered || (rl.err != nil && !rl.usage.seen)}
+		Error: !rl.answered || (rl.err != nil && !rl.usage.Seen)}
 	if rl.client != nil {
 		e.Client = rl.client.Name
 	}
@@ -163,7 +107,7 @@ func (r *Relay) recordUsage(p *proxied, end time.Time) {
 			e.Agent = rl.agent
 		}
 	}
-	if rl.answered || rl.usage.seen {
+	if rl.answered || rl.usage.Seen {
 		e.PromptTokens, e.CachedTokens, e.CompletionTokens, e.Estimated = rl.tokenCounts(len(p.body))
 	}
 	r.metrics.observeTokens(e.Client, rl.agent, e.PromptTokens, e.CachedTokens, e.CompletionTokens)
@@ -176,8 +120,8 @@ func (r *Relay) recordUsage(p *proxied, end time.Time) {
 // said nothing, an estimate from the request's bodyBytes and what was
 // streamed (estimated true).
 func (rl *reqLog) tokenCounts(bodyBytes int) (prompt, cached, completion int64, estimated bool) {
-	if u := &rl.usage; u.seen {
-		return u.prompt, u.cached, u.completion, false
+	if u := &rl.usage; u.Seen {
+		return u.Prompt, u.Cached, u.Completion, false
 	}
 	return int64(bodyBytes) / estimateBytesPerToken, 0, rl.guess, true
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/computeflux/computeflux/relay/internal/threadcpu"
 	"github.com/computeflux/computeflux/relay/ledger"
 	"github.com/computeflux/computeflux/transport"
+	"github.com/computeflux/computeflux/transport/usage"
 )
 
 func TestScanTail(t *testing.T) {
@@ -27,23 +28,23 @@ func TestScanTail(t *testing.T) {
 		want tokenUsage
 	}{
 		{"chat", `{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":12,"completion_tokens":7,"total_tokens":19,"prompt_tokens_details":{"cached_tokens":8}}}`,
-			tokenUsage{seen: true, prompt: 12, cached: 8, completion: 7}},
+			tokenUsage{usage.Counts{Seen: true, Prompt: 12, Cached: 8, Completion: 7}}},
 		{"keys after usage", `{"usage": {"prompt_tokens": 3, "completion_tokens": 4} , "kv_transfer_params": null}`,
-			tokenUsage{seen: true, prompt: 3, completion: 4}},
+			tokenUsage{usage.Counts{Seen: true, Prompt: 3, Completion: 4}}},
 		{"embeddings", `{"data":[],"usage":{"prompt_tokens":5,"total_tokens":5}}`,
-			tokenUsage{seen: true, prompt: 5}},
+			tokenUsage{usage.Counts{Seen: true, Prompt: 5}}},
 		{"responses", `{"object":"response","usage":{"input_tokens":9,"input_tokens_details":{"cached_tokens":4},"output_tokens":2}}`,
-			tokenUsage{seen: true, prompt: 9, cached: 4, completion: 2}},
+			tokenUsage{usage.Counts{Seen: true, Prompt: 9, Cached: 4, Completion: 2}}},
 		{"quoted in content", `{"choices":[{"message":{"content":"say \"usage\": {\"prompt_tokens\": 99}"}}],"usage":{"prompt_tokens":1,"completion_tokens":2}}`,
-			tokenUsage{seen: true, prompt: 1, completion: 2}},
+			tokenUsage{usage.Counts{Seen: true, Prompt: 1, Completion: 2}}},
 		{"only quoted", `{"choices":[{"message":{"content":"\"usage\":{\"prompt_tokens\":99}"}}]}`, tokenUsage{}},
 		{"null", `{"choices":[],"usage":null}`, tokenUsage{}},
 		{"none", `{"choices":[]}`, tokenUsage{}},
-		{"negative", `{"usage":{"prompt_tokens":-3,"completion_tokens":2}}`, tokenUsage{seen: true, completion: 2}},
+		{"negative", `{"usage":{"prompt_tokens":-3,"completion_tokens":2}}`, tokenUsage{usage.Counts{Seen: true, Completion: 2}}},
 		{"truncated", `{"usage":{"prompt_tokens":3,"completion_tok`, tokenUsage{}},
 		{"string count", `{"usage":{"prompt_tokens":"3"}}`, tokenUsage{}},
 		{"long answer", `{"choices":[{"message":{"content":"` + strings.Repeat("long ", 20000) + `"}}],"usage":{"prompt_tokens":7,"completion_tokens":20000}}`,
-			tokenUsage{seen: true, prompt: 7, completion: 20000}},
+			tokenUsage{usage.Counts{Seen: true, Prompt: 7, Completion: 20000}}},
 		{"usage far from the end", `{"usage":{"prompt_tokens":7},"tail":"` + strings.Repeat("x", usageTail) + `"}`, tokenUsage{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -62,7 +63,7 @@ func TestFramerUsage(t *testing.T) {
 	stream := "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":null}\n\n" +
 		"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":20,\"completion_tokens\":3,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\n" +
 		"data: [DONE]\n\n"
-	want := tokenUsage{seen: true, prompt: 20, cached: 16, completion: 3}
+	want := tokenUsage{usage.Counts{Seen: true, Prompt: 20, Cached: 16, Completion: 3}}
 	for _, drop := range []bool{false, true} {
 		f := &sseFramer{dropUsage: drop}
 		out, err := f.feed(nil, []byte(stream))
@@ -106,7 +107,7 @@ func TestFramerKeepsResponsesUsage(t *testing.T) {
 	if string(out) != ev {
 		t.Fatalf("passed on %q, want the event as it was", out)
 	}
-	if want := (tokenUsage{seen: true, prompt: 9, completion: 2}); f.usage != want {
+	if want := (tokenUsage{usage.Counts{Seen: true, Prompt: 9, Completion: 2}}); f.usage != want {
 		t.Fatalf("usage %+v, want %+v", f.usage, want)
 	}
 }
