@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/computeflux/computeflux/relay/anthropic"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -52,7 +53,7 @@ type exchange struct {
 	c      scheduler.Choice
 	path   string              // the upstream path
 	w      http.ResponseWriter // what the answer is written to
-	tr     *messagesWriter     // a translated Messages attempt's translation; nil for none
+	tr     *anthropic.Writer   // a translated Messages attempt's translation; nil for none
 	ctx    context.Context     // the attempt's context: the client's, cancelled with a cause
 	cancel context.CancelCauseFunc
 	fl     *flight // liveness of an agent's attempt; nil for providers
@@ -69,7 +70,7 @@ func (r *Relay) attempt(p *proxied, c scheduler.Choice) attemptResult {
 	if p.msg != nil && !r.reg.lists(c.EndpointID, pathMessages) {
 		// An engine without the Messages API gets the chat request it
 		// means (messages.go), a tap in front of the translation.
-		x.path, x.tr, p.translated = pathChat, newMessagesWriter(p.w, p.msg.model), true
+		x.path, x.tr, p.translated = pathChat, anthropic.NewWriter(p.w, p.msg.Model, maxCheckedBody), true
 		x.w = x.tr
 		if p.tap != nil {
 			p.tap.ResponseWriter, x.w = x.tr, p.tap
@@ -151,7 +152,7 @@ func (x *exchange) request(p *proxied, ctx context.Context, tgt target) (*http.R
 	// free) and given the target's, already built.
 	body, agentBody := p.body, p.agentBody
 	if x.tr != nil {
-		body, agentBody = p.msg.chat, p.msg.agentChat
+		body, agentBody = p.msg.Chat, p.msg.agentChat
 	}
 	if tgt.peer != "" && agentBody != nil {
 		body = agentBody // forward.go
@@ -307,7 +308,7 @@ func (x *exchange) copy(p *proxied, resp *http.Response, cp *streamCopier, hd he
 	if werr == nil && ferr == nil && rerr == io.EOF {
 		werr, ferr = cp.endUpstream()
 		if x.tr != nil && werr == nil && ferr == nil {
-			werr = x.tr.end() // the translated answer's last part
+			werr = x.tr.End() // the translated answer's last part
 		}
 	}
 	if ferr != nil && werr == nil {
@@ -345,7 +346,7 @@ func (x *exchange) copy(p *proxied, resp *http.Response, cp *streamCopier, hd he
 		msg, code = "The agent sent a malformed event", "upstream_invalid"
 	}
 	if x.tr != nil {
-		x.tr.passRaw() // the event is in the Messages API's shape already
+		x.tr.PassRaw() // the event is in the Messages API's shape already
 	}
 	_ = cp.writeEvent(streamErrorEventFor(p.path, msg, code))
 	return res

@@ -19,7 +19,7 @@
 //     metrics (metrics.go).
 //   - prepare: prepareInference (proxy.go) reads the body and its routing
 //     fields (request.go, routingscan.go), turns a Messages request into the
-//     chat request it means (messages.go), hashes the prompt's blocks for
+//     chat request it means (messages.go, package anthropic), hashes the prompt's blocks for
 //     the prefix index (prefix.go), limits the Responses API to agents whose
 //     engines serve it (responses.go), and, while audits run, gives agents
 //     the relay's seed and pseudonyms (forward.go). prepareStored
@@ -35,13 +35,13 @@
 //   - attempt (attempt.go): send, first byte, commit, copy. The upstream
 //     URL, round tripper and provider key come from providers.go (target);
 //     an endpoint not known to serve the Messages API gets the chat request
-//     instead (messages.go). Headers are filtered both ways by headers.go,
+//     instead (anthropic.Writer). Headers are filtered both ways by headers.go,
 //     an agent's attempt runs under a liveness flight (liveness.go) and
 //     every attempt under one watchdog timer (watchdog.go). The first-byte
 //     stage checks that a non-streamed answer is JSON (sse.go); copy passes
 //     the body through one pooled buffer (copy.go), re-frames event streams
 //     (sse.go) and turns a translated answer back into a Messages answer
-//     (messages.go).
+//     (anthropic.Writer).
 //   - finish (proxy.go): report the outcome to the route, give back the
 //     queue's slot, share a new session binding with the peer relays
 //     (peers.go, package peering), hand the answer to the auditor (audits.go), and count and

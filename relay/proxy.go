@@ -197,7 +197,7 @@ func (r *Relay) prepareInference(p *proxied) error {
 		if p.msg, err = messagesToChat(body); err != nil { // messages.go
 			return err
 		}
-		routed = p.msg.chat
+		routed = p.msg.Chat
 	}
 	rt, err := parseRouting(routed)
 	if err != nil {
@@ -219,7 +219,7 @@ func (r *Relay) prepareInference(p *proxied) error {
 		p.agentBody = forwardBody(body, relaySeed(), r.pseudo.of)
 	}
 	if r.audits != nil && p.msg != nil {
-		p.msg.agentChat = forwardBody(p.msg.chat, relaySeed(), r.pseudo.of) // as any chat request
+		p.msg.agentChat = forwardBody(p.msg.Chat, relaySeed(), r.pseudo.of) // as any chat request
 	}
 	if r.audits != nil && (p.path == pathChat || p.msg != nil) {
 		c := p.rl.client
@@ -374,7 +374,7 @@ func (r *Relay) finish(p *proxied, c scheduler.Choice, n int, res *attemptResult
 	if res.committed && p.tap != nil && (p.msg == nil || p.translated) {
 		body, fwd := p.body, p.agentBody
 		if p.msg != nil {
-			body, fwd = p.msg.chat, p.msg.agentChat // what the engine answered
+			body, fwd = p.msg.Chat, p.msg.agentChat // what the engine answered
 		}
 		x := auditor.Exchange{Model: p.rl.model, Agent: c.EndpointID, Provider: provider, Body: body, Forwarded: fwd,
 			Header: p.req.Header, Stream: p.stream, Tap: p.tap, Verify: p.verify}
