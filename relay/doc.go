@@ -19,8 +19,8 @@
 //     metrics (metrics.go).
 //   - prepare: prepareInference (proxy.go) reads the body and its routing
 //     fields (request.go, routingscan.go), turns a Messages request into the
-//     chat request it means (messages.go, package anthropic), hashes the prompt's blocks for
-//     the prefix index (prefix.go), limits the Responses API to agents whose
+//     chat request it means (messages.go, package anthropic), hashes the
+//     prompt's blocks for the prefix index (prefix.go), limits the Responses API to agents whose
 //     engines serve it (responses.go), and, while audits run, gives agents
 //     the relay's seed and pseudonyms (forward.go). prepareStored
 //     (responses.go) prepares a request about a stored response, which goes
