@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/relay/anthropic"
+	"github.com/computeflux/computeflux/relay/liveness"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -56,7 +57,7 @@ type exchange struct {
 	tr     *anthropic.Writer   // a translated Messages attempt's translation; nil for none
 	ctx    context.Context     // the attempt's context: the client's, cancelled with a cause
 	cancel context.CancelCauseFunc
-	fl     *flight // liveness of an agent's attempt; nil for providers
+	fl     *liveness.Flight // liveness of an agent's attempt; nil for providers
 	wd     wdRef
 	start  time.Time
 }
@@ -84,11 +85,11 @@ func (r *Relay) attempt(p *proxied, c scheduler.Choice) attemptResult {
 	defer x.cancel(nil)
 	upCtx := x.ctx
 	if tgt.peer != "" && r.live != nil {
-		// An agent (not a provider): see liveness.go. It must acknowledge
+		// An agent (not a provider): see package liveness. It must acknowledge
 		// the request within a few round trips, and answer probes while
 		// the request is in flight.
-		x.fl, upCtx = r.live.begin(x.ctx, x.cancel, tgt.peer, c.EndpointID)
-		defer x.fl.end()
+		x.fl, upCtx = r.live.Begin(x.ctx, x.cancel, tgt.peer, c.EndpointID)
+		defer x.fl.End()
 	}
 	up, err := x.request(p, upCtx, tgt)
 	if err != nil {
@@ -108,7 +109,7 @@ func (r *Relay) attempt(p *proxied, c scheduler.Choice) attemptResult {
 		return x.failed(p, 0, err)
 	}
 	if x.fl != nil {
-		x.fl.acked() // a response header is an acknowledgement too
+		x.fl.Acked() // a response header is an acknowledgement too
 	}
 	defer resp.Body.Close()
 	if cls := scheduler.Classify(resp.StatusCode, nil); cls.Retryable() {
@@ -184,7 +185,7 @@ func (x *exchange) failed(p *proxied, status int, err error) attemptResult {
 	if p.req.Context().Err() != nil {
 		return attemptResult{outcome: scheduler.Outcome{Status: statusClientClosed, Latency: lat}, err: errClientGone}
 	}
-	if cause := context.Cause(x.ctx); errors.Is(cause, ErrTTFBTimeout) || errors.Is(cause, ErrNoAck) || errors.Is(cause, ErrAgentSilent) {
+	if cause := context.Cause(x.ctx); errors.Is(cause, ErrTTFBTimeout) || errors.Is(cause, liveness.ErrNoAck) || errors.Is(cause, liveness.ErrAgentSilent) {
 		err = cause
 	}
 	return attemptResult{outcome: scheduler.Outcome{Status: status, Err: err, Latency: lat}, err: err}
@@ -340,7 +341,7 @@ func (x *exchange) copy(p *proxied, resp *http.Response, cp *streamCopier, hd he
 	switch {
 	case errors.Is(cause, ErrIdleTimeout):
 		msg, code = "The agent's response stalled", "upstream_timeout"
-	case errors.Is(cause, ErrAgentSilent):
+	case errors.Is(cause, liveness.ErrAgentSilent):
 		msg, code = "The agent stopped answering", "upstream_unreachable"
 	case errors.Is(cause, ErrBadUpstream):
 		msg, code = "The agent sent a malformed event", "upstream_invalid"

@@ -11,6 +11,7 @@ import (
 	"sync"
 
 	"github.com/computeflux/computeflux/relay/auditor"
+	"github.com/computeflux/computeflux/relay/liveness"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -178,13 +179,13 @@ func (r *Relay) sendAudit(ctx context.Context, req auditor.Request) (*http.Respo
 	}
 	actx, cancel := context.WithCancelCause(ctx)
 	upCtx := actx
-	var fli *flight
+	var fli *liveness.Flight
 	if tgt.peer != "" && r.live != nil {
-		fli, upCtx = r.live.begin(actx, cancel, tgt.peer, c.EndpointID)
+		fli, upCtx = r.live.Begin(actx, cancel, tgt.peer, c.EndpointID)
 	}
 	end := func(o scheduler.Outcome) {
 		if fli != nil {
-			fli.end()
+			fli.End()
 		}
 		cancel(nil)
 		done(o)
@@ -214,7 +215,7 @@ func (r *Relay) sendAudit(ctx context.Context, req auditor.Request) (*http.Respo
 		return nil, err
 	}
 	if fli != nil {
-		fli.acked()
+		fli.Acked()
 	}
 	o := scheduler.Outcome{Status: resp.StatusCode, Latency: r.cfg.Clock.Now().Sub(start),
 		RetryAfter: parseRetryAfter(resp.Header.Get("Retry-After"), start)}

@@ -18,7 +18,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/computeflux/computeflux/agent/simengine"
-	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/liveness"
 	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/scheduler"
@@ -58,8 +58,8 @@ import (
 // sessions went elsewhere) is probed at the idle pace: its bound is
 // chaosIdleDetectBound.
 const (
-	chaosDetectBound     = relay.SilentAfter + 2*relay.ProbeInterval
-	chaosIdleDetectBound = relay.IdleSilentAfter + 2*relay.IdleProbeInterval
+	chaosDetectBound     = liveness.SilentAfter + 2*liveness.ProbeInterval
+	chaosIdleDetectBound = liveness.IdleSilentAfter + 2*liveness.IdleProbeInterval
 )
 
 // inFlight returns the requests the scheduler has in flight to endpoint id.

@@ -205,7 +205,7 @@ type Config struct {
 	RequestLogger *zerolog.Logger
 
 	// noLiveness turns the request path's liveness checks (acks and
-	// probes, liveness.go) off, so that a test sees gossip's own failure
+	// probes, package liveness) off, so that a test sees gossip's own failure
 	// detection. Set by tests only (export_test.go).
 	noLiveness bool
 	// auditAddr, when set, stands in for an agent's address in the audits'

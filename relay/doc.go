@@ -36,7 +36,7 @@
 //     URL, round tripper and provider key come from providers.go (target);
 //     an endpoint not known to serve the Messages API gets the chat request
 //     instead (anthropic.Writer). Headers are filtered both ways by headers.go,
-//     an agent's attempt runs under a liveness flight (liveness.go) and
+//     an agent's attempt runs under a liveness flight (package liveness) and
 //     every attempt under one watchdog timer (watchdog.go). The first-byte
 //     stage checks that a non-streamed answer is JSON (sse.go); copy passes
 //     the body through one pooled buffer (copy.go), re-frames event streams
@@ -53,8 +53,8 @@
 //     join service's handler and feeds the scheduler. gossip.go runs the
 //     membership gossip, reconciles it with the join registrations and
 //     disconnects peers that connect without joining; forgery.go cuts off a
-//     peer caught forging gossip. liveness.go checks agents on the request
-//     path (acknowledgements and probes), and stall.go keeps the relay's own
+//     peer caught forging gossip. Package liveness checks agents on the
+//     request path (acknowledgements and probes) and keeps the relay's own
 //     stalls out of those checks. prefix.go takes the agents' prefix index
 //     streams into the scheduler. agentusage.go answers an agent's query for
 //     its own usage.

@@ -8,17 +8,6 @@ import "time"
 // probes) off in c, so that a test sees gossip's own failure detection.
 func WithoutLiveness(c *Config) { c.noLiveness = true }
 
-// The liveness timings (liveness.go), for tests that bound what they see
-// by them.
-const (
-	IdleProbeInterval = idleProbeInterval
-	IdleSilentAfter   = idleSilentAfter
-	ProbeInterval     = probeInterval
-	SilentAfter       = silentAfter
-	DeadAfter         = deadAfter
-	MinAckTimeout     = minAckTimeout
-)
-
 // WithPeerSyncWait sets how long, after it learned a peer relay, a relay
 // that has just started holds a request for that peer's table.
 func WithPeerSyncWait(c *Config, d time.Duration) { c.peerSyncWait = d }

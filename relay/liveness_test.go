@@ -21,6 +21,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/liveness"
 	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/scheduler"
@@ -253,7 +254,7 @@ func TestSilentIdleAgentDetection(t *testing.T) {
 	if os.Getenv("COMPUTEFLUX_LIVENESS_MEASURE") != "" {
 		runs = 10
 	}
-	bound := relay.IdleSilentAfter + 2*relay.IdleProbeInterval
+	bound := liveness.IdleSilentAfter + 2*liveness.IdleProbeInterval
 	var took []time.Duration
 	for run := range runs {
 		i := 1
@@ -281,7 +282,7 @@ func TestSilentIdleAgentDetection(t *testing.T) {
 		took = append(took, time.Since(killed))
 		if d := took[len(took)-1]; d > bound {
 			t.Errorf("run %d: the relay routed around silent %s after %v, want within %v (silence bound %v + 2 probe intervals of %v)",
-				run, name, d.Round(time.Millisecond), bound, relay.IdleSilentAfter, relay.IdleProbeInterval)
+				run, name, d.Round(time.Millisecond), bound, liveness.IdleSilentAfter, liveness.IdleProbeInterval)
 		}
 		if run%2 == 0 {
 			if err := cl.RestartAgent(ctx, i); err != nil {

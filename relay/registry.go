@@ -10,6 +10,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/rs/zerolog"
 
+	"github.com/computeflux/computeflux/relay/liveness"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -103,7 +104,10 @@ type AgentInfo struct {
 	Dead   bool
 }
 
-var _ transport.JoinHandler = (*Registry)(nil)
+var (
+	_ transport.JoinHandler = (*Registry)(nil)
+	_ liveness.Registry     = (*Registry)(nil)
+)
 
 func newRegistry(s *scheduler.Scheduler, log zerolog.Logger) *Registry {
 	return &Registry{
@@ -401,6 +405,26 @@ func (g *Registry) Agents() []AgentInfo {
 	return out
 }
 
+// Registered returns the joined agents, in no order, for the request
+// path's liveness checks (package liveness).
+func (g *Registry) Registered() []liveness.Agent {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	out := make([]liveness.Agent, 0, len(g.byName))
+	for _, e := range g.byName {
+		out = append(out, liveness.Agent{Name: e.name, Peer: e.peer})
+	}
+	return out
+}
+
+// Holds reports whether agent name is registered to peer p.
+func (g *Registry) Holds(name string, p peer.ID) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e, ok := g.byName[name]
+	return ok && e.peer == p
+}
+
 // routable counts the joined agents the scheduler routes to in the
 // ordinary course (scheduler.Scheduler.Routable: serving a model, neither
 // dead, disabled, draining nor suspect). It reads the scheduler's own
@@ -488,9 +512,10 @@ func (g *Registry) health(e *entry) scheduler.Health {
 	return h
 }
 
-// setUnresponsive marks agent name (registered to p) suspect because of a
-// liveness failure in the request path (liveness.go), or clears the mark.
-func (g *Registry) setUnresponsive(name string, p peer.ID, on bool) {
+// SetUnresponsive marks agent name (registered to p) suspect because of a
+// liveness failure in the request path (package liveness), or clears the
+// mark.
+func (g *Registry) SetUnresponsive(name string, p peer.ID, on bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if e, ok := g.byName[name]; ok && e.peer == p && e.unresponsive != on {

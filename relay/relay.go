@@ -20,6 +20,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay/auditor"
+	"github.com/computeflux/computeflux/relay/liveness"
 	"github.com/computeflux/computeflux/relay/peering"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
@@ -54,9 +55,9 @@ type Relay struct {
 	join    io.Closer     // the join service on host
 	index   *indexService // prefix index streams on host; nil with NoP2P
 
-	gossip *relayGossip     // nil when gossip is off or without a host
-	live   *liveness        // request-path liveness; nil without our own libp2p round tripper
-	peers  *peering.Manager // nil when sharing with peer relays is off or without a host (peers.go)
+	gossip *relayGossip      // nil when gossip is off or without a host
+	live   *liveness.Checker // request-path liveness; nil without our own libp2p round tripper
+	peers  *peering.Manager  // nil when sharing with peer relays is off or without a host (peers.go)
 	// circuits counts the circuit relay service's work (own host only).
 	circuits transport.RelayCounters
 	// draining is set once the relay starts stopping; gossip publishes it.
@@ -211,11 +212,11 @@ func New(cfg Config) (*Relay, error) {
 		if r.rt == nil {
 			r.rt = transport.NewRoundTripper(r.host)
 			if !cfg.noLiveness {
-				r.live = newLiveness(r.host, r.reg, r.log, r.bgCtx, &r.bgWG)
+				r.live = liveness.New(liveness.Config{Host: r.host, Registry: r.reg, Log: r.log, Ctx: r.bgCtx, WG: &r.bgWG})
 				r.bgWG.Add(1)
 				go func() {
 					defer r.bgWG.Done()
-					r.live.run()
+					r.live.Run()
 				}()
 			}
 		}

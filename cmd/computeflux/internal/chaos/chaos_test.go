@@ -127,7 +127,7 @@ func TestChaosRealProcesses(t *testing.T) {
 }
 
 // The relay's request-path liveness timings for an agent with requests in
-// flight (relay/liveness.go: probeInterval, silentAfter). Under the load
+// flight (package relay/liveness: ProbeInterval, SilentAfter). Under the load
 // every agent has some, so a killed or frozen one is suspect within the
 // silence bound of its last echo (an unacknowledged request finds it
 // sooner); four probe intervals more are room for processes on a loaded

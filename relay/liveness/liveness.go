@@ -1,8 +1,7 @@
-package relay
-
-// Liveness in the request path. Gossip finds a silent agent in seconds; a
-// request must not wait that long. Two checks run on the connection a
-// request travels on, independent of the engine's speed:
+// Package liveness checks a relay's agents on the request path. Gossip
+// finds a silent agent in seconds; a request must not wait that long. Two
+// checks run on the connection a request travels on, independent of the
+// engine's speed:
 //
 //   - The acknowledgement: the agent answers every request with
 //     transport.AckStatus transport.AckDelay after its header, or with the
@@ -13,19 +12,20 @@ package relay
 //     attempt, not yet committed, is retried on another agent, and the
 //     agent is suspect at once (avoided by the scheduler).
 //   - The probe: a ping runs on every joined agent's connection, from its
-//     join on: every idleProbeInterval, and every probeInterval while
+//     join on: every IdleProbeInterval, and every ProbeInterval while
 //     requests are in flight to it (and for a short linger after). An agent
-//     that echoes nothing and sends no byte of any answer for silentAfter
-//     (idleSilentAfter when idle) is silent: it turns suspect and every
+//     that echoes nothing and sends no byte of any answer for SilentAfter
+//     (IdleSilentAfter when idle) is silent: it turns suspect and every
 //     request in flight to it is cancelled with ErrAgentSilent, so that an
 //     uncommitted attempt is retried elsewhere and a stream already going
-//     out ends with an error event. Silent for deadAfter, it is taken out
+//     out ends with an error event. Silent for DeadAfter, it is taken out
 //     of routing as gossip takes a dead member. The first echo after that
 //     clears both: a frozen agent that wakes up is routable again once it
 //     answers.
 //
 // The probe also keeps the agent's smoothed RTT in the peerstore (libp2p's
 // LatencyEWMA), which sets the ack bound.
+package liveness
 
 import (
 	"context"
@@ -57,34 +57,34 @@ var (
 
 // Liveness timings. A ping is 32 bytes and its echo 32, each in a QUIC
 // packet of about 80 bytes with its ACK: an idle agent costs about 160
-// bytes/s each way (idleProbeInterval), one with requests in flight about
-// 640 bytes/s each way (probeInterval).
+// bytes/s each way (IdleProbeInterval), one with requests in flight about
+// 640 bytes/s each way (ProbeInterval).
 const (
-	// idleProbeInterval is the gap between two probes of an agent with no
+	// IdleProbeInterval is the gap between two probes of an agent with no
 	// request in flight.
-	idleProbeInterval = time.Second
-	// idleSilentAfter is the silence bound of an idle agent: a few probes,
+	IdleProbeInterval = time.Second
+	// IdleSilentAfter is the silence bound of an idle agent: a few probes,
 	// so that one lost packet is no death.
-	idleSilentAfter = 3 * time.Second
-	// minAckTimeout is the floor of the ack bound: scheduling delays on a
+	IdleSilentAfter = 3 * time.Second
+	// MinAckTimeout is the floor of the ack bound: scheduling delays on a
 	// loaded agent host are not a death.
-	minAckTimeout = 250 * time.Millisecond
+	MinAckTimeout = 250 * time.Millisecond
 	// ackRTTs is the ack bound in smoothed round trip times.
 	ackRTTs = 4
-	// probeInterval is the gap between two probes of a busy agent.
-	probeInterval = 250 * time.Millisecond
-	// silentAfter is how long an agent may echo nothing before it is
+	// ProbeInterval is the gap between two probes of a busy agent.
+	ProbeInterval = 250 * time.Millisecond
+	// SilentAfter is how long an agent may echo nothing before it is
 	// declared silent.
-	silentAfter = 1500 * time.Millisecond
+	SilentAfter = 1500 * time.Millisecond
 	// probeLinger keeps probing an agent that has no request in flight any
 	// more, so that a steady trickle of requests does not start and stop a
 	// prober every time.
 	probeLinger = 5 * time.Second
-	// deadAfter is how long an agent may stay silent before the relay
+	// DeadAfter is how long an agent may stay silent before the relay
 	// takes it out of routing altogether (its sessions' affinity
 	// dropped), as gossip does for a dead member: it covers agents gossip
 	// does not know yet, and does not wait for QUIC's idle timeout.
-	deadAfter = 10 * time.Second
+	DeadAfter = 10 * time.Second
 	// watchEvery is how often joined agents without a prober get one.
 	watchEvery = 250 * time.Millisecond
 )
@@ -92,17 +92,47 @@ const (
 // ackTimeout is the bound on a request's acknowledgement given the smoothed
 // RTT to the agent (0 when not measured yet).
 func ackTimeout(rtt time.Duration) time.Duration {
-	return max(ackRTTs*rtt, minAckTimeout)
+	return max(ackRTTs*rtt, MinAckTimeout)
 }
 
-// liveness watches the agents that have requests in flight. Its methods are
-// safe for concurrent use.
-type liveness struct {
+// Registry is what the checker needs of the relay's table of joined
+// agents. Its methods are called without the checker's lock held.
+type Registry interface {
+	// Registered returns the joined agents.
+	Registered() []Agent
+	// Holds reports whether agent name is registered to peer p.
+	Holds(name string, p peer.ID) bool
+	// SetUnresponsive marks agent name at p suspect (on) or clears the mark.
+	SetUnresponsive(name string, p peer.ID, on bool)
+	// SetDead takes agent name out of routing (dead) or puts it back.
+	SetDead(name string, dead bool)
+}
+
+// Agent is a joined agent: its name at its peer.
+type Agent struct {
+	Name string
+	Peer peer.ID
+}
+
+// Config is what a Checker is built from.
+type Config struct {
+	Host     host.Host // the relay's host: pings go on its connections
+	Registry Registry
+	Log      zerolog.Logger
+	// Ctx is the relay's background context: its end stops every prober.
+	Ctx context.Context
+	// WG counts the relay's background goroutines; the probers are added.
+	WG *sync.WaitGroup
+}
+
+// Checker watches the agents that have requests in flight. Its methods
+// are safe for concurrent use.
+type Checker struct {
 	h   host.Host
-	reg *Registry
+	reg Registry
 	log zerolog.Logger
-	ctx context.Context // the relay's background context
-	wg  *sync.WaitGroup // the relay's background goroutines
+	ctx context.Context
+	wg  *sync.WaitGroup
 
 	mu    sync.Mutex // guards watch and pings
 	watch map[peer.ID]*watch
@@ -113,13 +143,13 @@ type liveness struct {
 
 	ackTimers sync.Pool // of *ackTimer that can fire no more
 
-	stall stallClock // the relay's own stalls (stall.go), ticked by run
+	stall stallClock // the relay's own stalls (stall.go), ticked by Run
 }
 
-// watch is the liveness state of one agent. Guarded by liveness.mu.
+// watch is the liveness state of one agent. Guarded by Checker.mu.
 type watch struct {
 	name    string
-	flights map[*flight]struct{}
+	flights map[*Flight]struct{}
 	suspect bool      // we marked it unresponsive
 	idleAt  time.Time // when the last flight ended
 	echoAt  time.Time // the prober's last echo
@@ -132,12 +162,12 @@ type watch struct {
 // read records that bytes of an answer came from the agent.
 func (w *watch) read() { w.readAt.Store(time.Now().UnixNano()) }
 
-// flight is one attempt in flight to an agent: registered with the agent's
+// Flight is one attempt in flight to an agent: registered with the agent's
 // watch, so that a silent agent cancels it, and bounded by its
 // acknowledgement timer. One allocation holds what a registration, the ack
 // state and their closures took separately.
-type flight struct {
-	l      *liveness
+type Flight struct {
+	l      *Checker
 	p      peer.ID
 	name   string
 	w      *watch
@@ -158,7 +188,7 @@ type flight struct {
 // when acked stopped it before it ever went off, so that no call of fire
 // can still come for it.
 type ackTimer struct {
-	f *flight // the flight it bounds
+	f *Flight // the flight it bounds
 
 	mu    sync.Mutex // guards spent, and orders it against Stop
 	t     *time.Timer
@@ -172,33 +202,34 @@ func (a *ackTimer) fire() {
 	a.f.ackExpired(a)
 }
 
-func newLiveness(h host.Host, reg *Registry, log zerolog.Logger, ctx context.Context, wg *sync.WaitGroup) *liveness {
-	return &liveness{h: h, reg: reg, log: log, ctx: ctx, wg: wg, watch: make(map[peer.ID]*watch), pings: make(map[peer.ID]*pingCall)}
+// New returns a checker of cfg.Registry's agents; Run starts its probers.
+func New(cfg Config) *Checker {
+	return &Checker{h: cfg.Host, reg: cfg.Registry, log: cfg.Log, ctx: cfg.Ctx, wg: cfg.WG, watch: make(map[peer.ID]*watch), pings: make(map[peer.ID]*pingCall)}
 }
 
 // ackTimeout returns the ack bound for agent p.
-func (l *liveness) ackTimeout(p peer.ID) time.Duration {
+func (l *Checker) ackTimeout(p peer.ID) time.Duration {
 	return ackTimeout(l.h.Peerstore().LatencyEWMA(p))
 }
 
-// begin registers an attempt in flight to agent name at peer p, whose
+// Begin registers an attempt in flight to agent name at peer p, whose
 // context cancel ends. It returns the flight and the request context to
 // use, on which the request's sending arms its acknowledgement bound: the
-// agent must acknowledge the request within it (flight.ackExpired). The
-// caller calls f.acked once the response's header arrived and f.end when
+// agent must acknowledge the request within it (Flight.ackExpired). The
+// caller calls f.Acked once the response's header arrived and f.End when
 // the attempt is over.
-func (l *liveness) begin(ctx context.Context, cancel context.CancelCauseFunc, p peer.ID, name string) (*flight, context.Context) {
-	f := &flight{l: l, p: p, name: name, cancel: cancel}
+func (l *Checker) Begin(ctx context.Context, cancel context.CancelCauseFunc, p peer.ID, name string) (*Flight, context.Context) {
+	f := &Flight{l: l, p: p, name: name, cancel: cancel}
 	l.mu.Lock()
 	f.w = l.watchLocked(p, name)
 	f.w.flights[f] = struct{}{}
 	l.startLocked(p, f.w)
 	l.mu.Unlock()
-	return f, transport.WithReadProgress(transport.WithAck(ctx, f.sent, f.acked), f.w.read)
+	return f, transport.WithReadProgress(transport.WithAck(ctx, f.sent, f.Acked), f.w.read)
 }
 
 // sent arms f's acknowledgement bound, the request written.
-func (f *flight) sent() {
+func (f *Flight) sent() {
 	if f.ack.Load() != 0 || f.timer.Load() != nil {
 		return // over already, or a second request written (a retry on a fresh stream)
 	}
@@ -223,13 +254,13 @@ func (f *flight) sent() {
 	f.timer.Store(a)
 }
 
-// end unregisters f and disarms its ack bound as an acknowledgement does:
+// End unregisters f and disarms its ack bound as an acknowledgement does:
 // an attempt over before its ack (its round trip failed, its client left)
 // waits for none, and a bound left armed would go off after it, ping the
 // agent and, the agent answering, re-arm itself for as long as the relay
 // runs.
-func (f *flight) end() {
-	f.acked()
+func (f *Flight) End() {
+	f.Acked()
 	l := f.l
 	l.mu.Lock()
 	delete(f.w.flights, f)
@@ -239,9 +270,9 @@ func (f *flight) end() {
 	l.mu.Unlock()
 }
 
-// acked records the request's acknowledgement (or its response header,
+// Acked records the request's acknowledgement (or its response header,
 // which is one too).
-func (f *flight) acked() {
+func (f *Flight) Acked() {
 	if f.ack.CompareAndSwap(0, 1) {
 		a := f.timer.Load()
 		if a == nil {
@@ -258,7 +289,7 @@ func (f *flight) acked() {
 }
 
 // ackExpired runs when the ack bound a passed.
-func (f *flight) ackExpired(a *ackTimer) {
+func (f *Flight) ackExpired(a *ackTimer) {
 	if f.ack.Load() != 0 {
 		return
 	}
@@ -291,7 +322,7 @@ func (f *flight) ackExpired(a *ackTimer) {
 
 // noAck records that agent name at p left a request unacknowledged: it is
 // suspect until it answers a probe.
-func (l *liveness) noAck(p peer.ID, name string) {
+func (l *Checker) noAck(p peer.ID, name string) {
 	l.mu.Lock()
 	w := l.watchLocked(p, name)
 	mark := !w.suspect
@@ -300,21 +331,21 @@ func (l *liveness) noAck(p peer.ID, name string) {
 	l.mu.Unlock()
 	if mark {
 		l.log.Warn().Str("agent", name).Msg("agent left a request unacknowledged: suspect")
-		l.reg.setUnresponsive(name, p, true)
+		l.reg.SetUnresponsive(name, p, true)
 	}
 }
 
-func (l *liveness) watchLocked(p peer.ID, name string) *watch {
+func (l *Checker) watchLocked(p peer.ID, name string) *watch {
 	w := l.watch[p]
 	if w == nil {
-		w = &watch{name: name, flights: make(map[*flight]struct{})}
+		w = &watch{name: name, flights: make(map[*Flight]struct{})}
 		l.watch[p] = w
 	}
 	return w
 }
 
 // startLocked starts w's prober unless it runs or the relay is closing.
-func (l *liveness) startLocked(p peer.ID, w *watch) {
+func (l *Checker) startLocked(p peer.ID, w *watch) {
 	if w.probing || l.ctx.Err() != nil {
 		return
 	}
@@ -327,7 +358,7 @@ func (l *liveness) startLocked(p peer.ID, w *watch) {
 }
 
 // probe pings agent p until its registration ends or the relay closes.
-func (l *liveness) probe(p peer.ID, w *watch) {
+func (l *Checker) probe(p peer.ID, w *watch) {
 	var s network.Stream
 	defer func() {
 		if s != nil {
@@ -347,13 +378,13 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 			return
 		case <-tick.C:
 		}
-		if !l.reg.holds(w.name, p) {
+		if !l.reg.Holds(w.name, p) {
 			l.stop(p, w)
 			return
 		}
-		interval, bound := idleProbeInterval, idleSilentAfter
+		interval, bound := IdleProbeInterval, IdleSilentAfter
 		if l.busy(w) {
-			interval, bound = probeInterval, silentAfter
+			interval, bound = ProbeInterval, SilentAfter
 		}
 		// Bytes of an answer are a sign of life as good as an echo: the
 		// agent's ping service resets each ping stream after 30 s, and the
@@ -406,27 +437,27 @@ func (l *liveness) probe(p peer.ID, w *watch) {
 		if quiet >= bound {
 			l.silent(p, w)
 		}
-		if !markedDead && quiet >= deadAfter && l.reg.holds(w.name, p) {
+		if !markedDead && quiet >= DeadAfter && l.reg.Holds(w.name, p) {
 			markedDead = true
 			l.log.Warn().Str("agent", w.name).Dur("silent", quiet).Msg("agent silent too long: out of routing")
 			l.reg.SetDead(w.name, true)
 		}
 		// A failure before the silence bound (a stream reset): retry soon.
-		tick.Reset(probeInterval)
+		tick.Reset(ProbeInterval)
 	}
 }
 
 // busy reports whether w has requests in flight, or had in the last
 // probeLinger.
-func (l *liveness) busy(w *watch) bool {
+func (l *Checker) busy(w *watch) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(w.flights) > 0 || w.suspect || time.Since(w.idleAt) < probeLinger
 }
 
-// run gives every joined agent a prober, from its join on, until the
-// relay closes.
-func (l *liveness) run() {
+// Run gives every joined agent a prober, from its join on, until the
+// relay's background context ends.
+func (l *Checker) Run() {
 	stallDone := make(chan struct{})
 	var stallWG sync.WaitGroup
 	stallWG.Go(func() { l.stall.run(stallDone) })
@@ -440,7 +471,7 @@ func (l *liveness) run() {
 			return
 		case <-t.C:
 		}
-		for _, a := range l.reg.Agents() {
+		for _, a := range l.reg.Registered() {
 			l.mu.Lock()
 			l.startLocked(a.Peer, l.watchLocked(a.Peer, a.Name))
 			l.mu.Unlock()
@@ -449,7 +480,7 @@ func (l *liveness) run() {
 }
 
 // stop ends w's prober; a watch with nothing left goes.
-func (l *liveness) stop(p peer.ID, w *watch) {
+func (l *Checker) stop(p peer.ID, w *watch) {
 	l.mu.Lock()
 	w.probing = false
 	if len(w.flights) == 0 && l.watch[p] == w {
@@ -459,19 +490,19 @@ func (l *liveness) stop(p peer.ID, w *watch) {
 	l.mu.Unlock()
 	if suspect {
 		// Gossip and the join stream decide from here on.
-		l.reg.setUnresponsive(w.name, p, false)
+		l.reg.SetUnresponsive(w.name, p, false)
 	}
 }
 
 // echoedWithin reports whether w's prober had an echo within the last d.
-func (l *liveness) echoedWithin(w *watch, d time.Duration) bool {
+func (l *Checker) echoedWithin(w *watch, d time.Duration) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return time.Since(w.echoAt) < d
 }
 
 // alive clears w's suspicion after an echo.
-func (l *liveness) alive(p peer.ID, w *watch) {
+func (l *Checker) alive(p peer.ID, w *watch) {
 	l.mu.Lock()
 	was := w.suspect
 	w.suspect = false
@@ -479,23 +510,23 @@ func (l *liveness) alive(p peer.ID, w *watch) {
 	l.mu.Unlock()
 	if was {
 		l.log.Info().Str("agent", w.name).Msg("agent answers again")
-		l.reg.setUnresponsive(w.name, p, false)
+		l.reg.SetUnresponsive(w.name, p, false)
 	}
 }
 
 // silent marks w suspect and cancels its requests in flight.
-func (l *liveness) silent(p peer.ID, w *watch) {
+func (l *Checker) silent(p peer.ID, w *watch) {
 	l.mu.Lock()
 	was := w.suspect
 	w.suspect = true
-	flights := make([]*flight, 0, len(w.flights))
+	flights := make([]*Flight, 0, len(w.flights))
 	for f := range w.flights {
 		flights = append(flights, f)
 	}
 	l.mu.Unlock()
 	if !was {
 		l.log.Warn().Str("agent", w.name).Int("in_flight", len(flights)).Msg("agent silent: suspect, its requests end")
-		l.reg.setUnresponsive(w.name, p, true)
+		l.reg.SetUnresponsive(w.name, p, true)
 	}
 	for _, f := range flights {
 		f.cancel(ErrAgentSilent)
@@ -503,7 +534,7 @@ func (l *liveness) silent(p peer.ID, w *watch) {
 }
 
 // openPing opens a ping stream to p on an existing connection.
-func (l *liveness) openPing(p peer.ID, deadline time.Time) (network.Stream, error) {
+func (l *Checker) openPing(p peer.ID, deadline time.Time) (network.Stream, error) {
 	ctx, cancel := context.WithDeadline(l.ctx, deadline)
 	defer cancel()
 	// Never dial: a probe checks the connection the requests use.
@@ -533,14 +564,6 @@ func pingOnce(s network.Stream, buf []byte, deadline time.Time) error {
 	return nil
 }
 
-// holds reports whether agent name is registered to peer p.
-func (g *Registry) holds(name string, p peer.ID) bool {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	e, ok := g.byName[name]
-	return ok && e.peer == p
-}
-
 // pingCall is a pingNow under way: ok is set before done closes.
 type pingCall struct {
 	done chan struct{}
@@ -550,7 +573,7 @@ type pingCall struct {
 // pingNow pings agent p once on its existing connection and reports whether
 // the echo came within d. Calls for p while one is under way wait for its
 // answer (at most d) instead of sending their own.
-func (l *liveness) pingNow(p peer.ID, d time.Duration) bool {
+func (l *Checker) pingNow(p peer.ID, d time.Duration) bool {
 	l.mu.Lock()
 	if c := l.pings[p]; c != nil {
 		l.mu.Unlock()
@@ -573,7 +596,7 @@ func (l *liveness) pingNow(p peer.ID, d time.Duration) bool {
 }
 
 // pingFresh is pingNow's ping, on a stream of its own.
-func (l *liveness) pingFresh(p peer.ID, d time.Duration) bool {
+func (l *Checker) pingFresh(p peer.ID, d time.Duration) bool {
 	start := time.Now()
 	deadline := start.Add(d)
 	s, err := l.openPing(p, deadline)

@@ -1,4 +1,4 @@
-package relay
+package liveness
 
 import (
 	"sync/atomic"

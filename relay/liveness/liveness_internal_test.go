@@ -1,4 +1,4 @@
-package relay
+package liveness
 
 import (
 	"context"
@@ -27,15 +27,15 @@ func TestFlightEndDisarmsAckBound(t *testing.T) {
 	bg, stop := context.WithCancel(context.Background())
 	stop() // a closed relay starts no prober: the flights alone are tested
 	var wg sync.WaitGroup
-	l := newLiveness(h, nil, zerolog.Nop(), bg, &wg)
+	l := New(Config{Host: h, Log: zerolog.Nop(), Ctx: bg, WG: &wg})
 	for _, acked := range []bool{true, false, true, false} {
 		ctx, cancel := context.WithCancelCause(context.Background())
-		f, _ := l.begin(ctx, cancel, h.ID(), "agent")
+		f, _ := l.Begin(ctx, cancel, h.ID(), "agent")
 		f.sent()
 		if acked {
-			f.acked()
+			f.Acked()
 		}
-		f.end()
+		f.End()
 		if f.timer.Load().t.Stop() {
 			t.Fatalf("acked %v: the ack bound of an ended flight was still armed", acked)
 		}
@@ -59,17 +59,17 @@ func TestAckBoundStartsWhenSent(t *testing.T) {
 	bg, stop := context.WithCancel(context.Background())
 	stop()
 	var wg sync.WaitGroup
-	l := newLiveness(h, newRegistry(nil, zerolog.Nop()), zerolog.Nop(), bg, &wg)
+	l := New(Config{Host: h, Registry: noAgents{}, Log: zerolog.Nop(), Ctx: bg, WG: &wg})
 	// A peer with no connection: pings fail, as to a dead agent.
 	dead := peer.ID("12D3KooWGzh9fVnBvQUzvTDiStHRrptQhY1SDCNwX5UzqjmdBM1A")
 	ctx, cancel := context.WithCancelCause(context.Background())
 	defer cancel(nil)
-	f, _ := l.begin(ctx, cancel, dead, "agent")
-	defer f.end()
+	f, _ := l.Begin(ctx, cancel, dead, "agent")
+	defer f.End()
 	select {
 	case <-ctx.Done():
 		t.Fatalf("a request not sent yet was given up: %v", context.Cause(ctx))
-	case <-time.After(3 * minAckTimeout):
+	case <-time.After(3 * MinAckTimeout):
 	}
 	f.sent()
 	select {
@@ -82,3 +82,11 @@ func TestAckBoundStartsWhenSent(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+// noAgents is a registry without agents.
+type noAgents struct{}
+
+func (noAgents) Registered() []Agent                   { return nil }
+func (noAgents) Holds(string, peer.ID) bool            { return false }
+func (noAgents) SetUnresponsive(string, peer.ID, bool) {}
+func (noAgents) SetDead(string, bool)                  {}
