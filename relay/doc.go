@@ -85,8 +85,8 @@
 //     checks a client's budget; usage_admin.go reports usage.
 //   - Metrics (metrics.go): the relay's Prometheus registry; gossip.go,
 //     package peering and prefix.go add collectors of their own.
-//   - TLS: NewTLSListener serves certificate files and picks up renewed ones
-//     (tls.go); ACME obtains and renews certificates itself (acme.go).
+//   - TLS (package certs): certificate files, picked up when renewed, or
+//     certificates the relay obtains and renews itself by ACME.
 //
 // Subpackages: auditor runs the audits, peering shares session bindings and
 // spending with peer relays, ledger keeps the usage ledger, relaytest runs

@@ -19,6 +19,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/computeflux/computeflux/relay/certs"
 )
 
 // stepClock is a clock that tests move by hand.
@@ -260,7 +262,7 @@ func TestTLS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tln, err := NewTLSListener(ln, certFile, keyFile)
+	tln, err := certs.NewTLSListener(ln, certFile, keyFile)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -304,13 +306,13 @@ func TestTLS(t *testing.T) {
 	}
 
 	// Bad files fail at start.
-	if _, err := NewTLSListener(ln, certFile, filepath.Join(dir, "missing.pem")); err == nil {
+	if _, err := certs.NewTLSListener(ln, certFile, filepath.Join(dir, "missing.pem")); err == nil {
 		t.Error("missing key file accepted")
 	}
-	if _, err := NewTLSListener(ln, keyFile, certFile); err == nil {
+	if _, err := certs.NewTLSListener(ln, keyFile, certFile); err == nil {
 		t.Error("swapped files accepted")
 	}
-	if _, err := NewTLSListener(ln, "", ""); err == nil {
+	if _, err := certs.NewTLSListener(ln, "", ""); err == nil {
 		t.Error("no files accepted")
 	}
 }

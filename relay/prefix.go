@@ -85,9 +85,11 @@ func newIndexService(r *Relay) *indexService {
 		banned:  make(map[peer.ID]time.Time),
 		traffic: make(map[string]uint64),
 	}
-	x.h.SetStreamHandler(transport.PrefixProtocol, x.handle)
 	return x
 }
+
+// listen takes prefix index streams on the relay's host.
+func (x *indexService) listen() { x.h.SetStreamHandler(transport.PrefixProtocol, x.handle) }
 
 // close stops accepting index streams, resets the open ones and waits for
 // their handlers.

@@ -78,10 +78,25 @@ type Relay struct {
 	pseudo    pseudonyms // what agents get for identity fields (forward.go)
 }
 
-// New builds a relay from cfg: the scheduler, the registry of agents and,
-// unless cfg.NoP2P, the libp2p host (when cfg.Host is nil) with the join
-// service listening on it.
+// New builds a relay from cfg and starts it: the scheduler, the registry
+// of agents and, unless cfg.NoP2P, the libp2p host (when cfg.Host is nil)
+// with the join service listening on it. Close stops it.
 func New(cfg Config) (*Relay, error) {
+	r, err := build(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := r.start(); err != nil {
+		_ = r.Close()
+		return nil, err
+	}
+	return r, nil
+}
+
+// build makes every part of a relay and wires them together; nothing runs
+// yet and no protocol is served, except that a host of the relay's own
+// listens. On an error what it made is closed.
+func build(cfg Config) (*Relay, error) {
 	cfg = populate(cfg)
 	if err := validate(cfg); err != nil {
 		return nil, err
@@ -124,84 +139,89 @@ func New(cfg Config) (*Relay, error) {
 	if !cfg.Audit.Disabled {
 		r.audits = newAuditor(r) // after pseudo: it takes r.pseudo.of
 	}
+	if cfg.NoP2P {
+		return r, nil
+	}
+	r.host = cfg.Host
+	if r.host == nil {
+		// The relay's host also runs the circuit relay service for
+		// admitted peers (agents reach each other through it until hole
+		// punching gives them a direct path).
+		natOpts, err := transport.RelayNATOptions(transport.RelayNATConfig{
+			Admit:       r.reg.Admitted,
+			PublicCIDRs: cfg.PublicCIDRs,
+			Limits:      cfg.RelayLimits,
+			Counters:    &r.circuits,
+		})
+		if err != nil {
+			return nil, fmt.Errorf("relay: %w", err)
+		}
+		limits := cfg.RelayLimits
+		h, err := transport.NewHost(transport.HostConfig{
+			ListenAddrs:  cfg.P2PListen,
+			IdentityFile: cfg.IdentityFile,
+			Logger:       cfg.Logger,
+			Options:      natOpts,
+			RelayLimits:  &limits,
+		})
+		if err != nil {
+			return nil, fmt.Errorf("relay: libp2p host: %w", err)
+		}
+		r.host, r.ownHost = h, true
+	}
+	if !cfg.Peers.Disabled {
+		r.peers = newPeers(r)
+		r.reg.onRelays = r.peers.Hint // agents' relay lists feed it
+	}
+	r.reg.onJoined = r.claimAgent // agentusage.go
+	r.index = newIndexService(r)
+	r.reg.index = r.index
+	r.reg.forget = func(p peer.ID, name string) {
+		if name != "" {
+			r.forgetAgent(name)
+		}
+		if p != "" {
+			r.forgetPeer(p)
+		}
+	}
+	if r.rt == nil {
+		r.rt = transport.NewRoundTripper(r.host)
+		if !cfg.noLiveness {
+			r.live = liveness.New(liveness.Config{Host: r.host, Registry: r.reg, Log: r.log, Ctx: r.bgCtx, WG: &r.bgWG})
+		}
+	}
+	return r, nil
+}
 
-	if !cfg.NoP2P {
-		r.host = cfg.Host
-		if r.host == nil {
-			// The relay's host also runs the circuit relay service for
-			// admitted peers (agents reach each other through it until hole
-			// punching gives them a direct path).
-			natOpts, err := transport.RelayNATOptions(transport.RelayNATConfig{
-				Admit:       r.reg.Admitted,
-				PublicCIDRs: cfg.PublicCIDRs,
-				Limits:      cfg.RelayLimits,
-				Counters:    &r.circuits,
-			})
-			if err != nil {
-				return nil, fmt.Errorf("relay: %w", err)
-			}
-			limits := cfg.RelayLimits
-			h, err := transport.NewHost(transport.HostConfig{
-				ListenAddrs:  cfg.P2PListen,
-				IdentityFile: cfg.IdentityFile,
-				Logger:       cfg.Logger,
-				Options:      natOpts,
-				RelayLimits:  &limits,
-			})
-			if err != nil {
-				return nil, fmt.Errorf("relay: libp2p host: %w", err)
-			}
-			r.host, r.ownHost = h, true
-		}
-		if !cfg.Peers.Disabled {
-			// Before the join service: agents' relay lists feed it.
-			r.peers = newPeers(r)
-			r.reg.onRelays = r.peers.Hint
-		}
-		r.reg.onJoined = r.claimAgent // agentusage.go
+// start starts what build made, in order: the services on the host (join,
+// agents' usage, prefix index), the background work (housekeeping,
+// admission, gossip, peer relays, liveness probes, audits), the operator's
+// endpoints file and the fair queue. Close stops them in reverse.
+func (r *Relay) start() error {
+	cfg := r.cfg
+	if r.host != nil {
 		join, err := transport.ServeJoin(r.host, cfg.Token, r.reg)
 		if err != nil {
-			if r.ownHost {
-				_ = r.host.Close()
-			}
-			return nil, fmt.Errorf("relay: join service: %w", err)
+			return fmt.Errorf("relay: join service: %w", err)
 		}
 		r.join = join
 		if err := transport.ServeAgentUsage(join.(*transport.JoinServer), r.agentUsage); err != nil { // agentusage.go
-			_ = join.Close()
-			if r.ownHost {
-				_ = r.host.Close()
-			}
-			return nil, fmt.Errorf("relay: agent usage service: %w", err)
+			return fmt.Errorf("relay: agent usage service: %w", err)
 		}
-		r.index = newIndexService(r)
-		r.reg.index = r.index
-		r.reg.forget = func(p peer.ID, name string) {
-			if name != "" {
-				r.forgetAgent(name)
-			}
-			if p != "" {
-				r.forgetPeer(p)
-			}
-		}
-		r.bgWG.Add(1)
-		go func() {
-			defer r.bgWG.Done()
-			r.housekeep()
-		}()
-		peerRelays := make(map[peer.ID]bool)
-		for _, ai := range cfg.Gossip.Relays {
-			peerRelays[ai.ID] = true
-		}
+		r.index.listen()
+		r.bgWG.Go(r.housekeep)
 		if r.ownHost {
 			// Only on our own host: an embedder's host may carry peers
 			// that have nothing to do with joining.
+			peerRelays := make(map[peer.ID]bool)
+			for _, ai := range cfg.Gossip.Relays {
+				peerRelays[ai.ID] = true
+			}
 			r.startP2PAdmission(peerRelays)
 		}
 		if !cfg.Gossip.Disabled {
 			if err := r.startGossip(); err != nil {
-				_ = r.Close()
-				return nil, err
+				return err
 			}
 			r.metrics.reg.MustRegister(gossipCollector{r})
 		}
@@ -209,16 +229,8 @@ func New(cfg Config) (*Relay, error) {
 			r.peers.Start()
 			r.metrics.reg.MustRegister(r.peers.Collector())
 		}
-		if r.rt == nil {
-			r.rt = transport.NewRoundTripper(r.host)
-			if !cfg.noLiveness {
-				r.live = liveness.New(liveness.Config{Host: r.host, Registry: r.reg, Log: r.log, Ctx: r.bgCtx, WG: &r.bgWG})
-				r.bgWG.Add(1)
-				go func() {
-					defer r.bgWG.Done()
-					r.live.Run()
-				}()
-			}
+		if r.live != nil {
+			r.bgWG.Go(r.live.Run)
 		}
 		r.log.Info().Stringer("peer", r.host.ID()).Strs("addrs", r.addrStrings()).Msg("relay p2p listening")
 		if r.audits != nil {
@@ -232,18 +244,13 @@ func New(cfg Config) (*Relay, error) {
 	if cfg.EndpointsFile != "" {
 		// Refused at start when malformed; a failed discovery is not.
 		if err := r.ReloadEndpoints(context.Background()); err != nil {
-			_ = r.Close()
-			return nil, fmt.Errorf("relay: %w", err)
+			return fmt.Errorf("relay: %w", err)
 		}
 	}
 	if r.queue != nil {
-		r.bgWG.Add(1)
-		go func() {
-			defer r.bgWG.Done()
-			r.queue.run(r.bgCtx)
-		}()
+		r.bgWG.Go(func() { r.queue.run(r.bgCtx) })
 	}
-	return r, nil
+	return nil
 }
 
 // Handler returns the relay's HTTP handler: the OpenAI API, /healthz and

@@ -20,6 +20,7 @@ import (
 	"golang.org/x/crypto/acme/autocert"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/certs"
 	"github.com/computeflux/computeflux/relay/ledger"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/scheduler/audit"
@@ -32,14 +33,14 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	tuneGC(os.LookupEnv)
-	var certs *relay.ACME
+	var acme *certs.ACME
 	if files.acme != nil {
 		files.acme.Logger = cfg.Logger.With().Str("component", "acme").Logger()
 		// Before anything starts: a cache it cannot write is a start-up error.
-		if certs, err = relay.NewACME(*files.acme); err != nil {
+		if acme, err = certs.NewACME(*files.acme); err != nil {
 			return err
 		}
-		defer certs.Close() // after the HTTP sides: no renewal outlives the relay
+		defer acme.Close() // after the HTTP sides: no renewal outlives the relay
 	}
 	closeLedger, err := files.openLedger(&cfg)
 	if err != nil {
@@ -55,7 +56,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	stopReload := reloadOnHangup(ctx, r)
 	defer stopReload()
-	if files.cert == "" && certs == nil {
+	if files.cert == "" && acme == nil {
 		if !isLoopbackListen(cfg.Listen) {
 			cfg.Logger.Warn().Str("listen", cfg.Listen).Msg("serving plain HTTP: clients' API keys cross the network in clear text; use --domain NAME (a certificate by ACME), --tls-cert/--tls-key, or a TLS proxy in front")
 		}
@@ -66,10 +67,10 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		_ = r.Close()
 		return fmt.Errorf("relay: listen: %w", err)
 	}
-	if certs != nil {
-		return serveACME(ctx, r, certs, ln, files.httpListen, cfg.Logger)
+	if acme != nil {
+		return serveACME(ctx, r, acme, ln, files.httpListen, cfg.Logger)
 	}
-	tln, err := relay.NewTLSListener(ln, files.cert, files.key)
+	tln, err := certs.NewTLSListener(ln, files.cert, files.key)
 	if err != nil {
 		_ = ln.Close()
 		_ = r.Close()
@@ -81,7 +82,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 // serveACME serves the relay on ln with certificates by ACME, and the
 // ACME http-01 challenges and redirects to HTTPS on httpListen (none: no
 // HTTP side), until ctx ends.
-func serveACME(ctx context.Context, r *relay.Relay, certs *relay.ACME, ln net.Listener, httpListen string, log zerolog.Logger) error {
+func serveACME(ctx context.Context, r *relay.Relay, acme *certs.ACME, ln net.Listener, httpListen string, log zerolog.Logger) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	httpDone := make(chan error, 1)
@@ -96,15 +97,15 @@ func serveACME(ctx context.Context, r *relay.Relay, certs *relay.ACME, ln net.Li
 		}
 		httpsPort := ln.Addr().(*net.TCPAddr).Port
 		go func() {
-			err := certs.ServeHTTP(ctx, hln, httpsPort)
+			err := acme.ServeHTTP(ctx, hln, httpsPort)
 			if err != nil {
 				log.Error().Err(err).Msg("the HTTP side stopped: no http-01 challenges or redirects until the relay restarts")
 			}
 			httpDone <- err
 		}()
 	}
-	certs.Start()
-	err := r.Serve(ctx, certs.Listener(ln))
+	acme.Start()
+	err := r.Serve(ctx, acme.Listener(ln))
 	cancel()
 	<-httpDone
 	return err
@@ -116,7 +117,7 @@ type relayFiles struct {
 	cert, key string
 	// acme, if set, has the relay obtain its certificates by ACME
 	// (--domain); httpListen is then its HTTP side's address.
-	acme       *relay.ACMEConfig
+	acme       *certs.ACMEConfig
 	httpListen string
 	ledger     string // the usage ledger's file; empty: no ledger (--ledger-file none)
 	failClose  bool   // budgets refuse while the ledger cannot write
@@ -157,7 +158,7 @@ func (a *acmeFlags) register(fs *flag.FlagSet) {
 
 // config returns the ACME settings the flags give, nil without --domain.
 // given names the flags set on the command line or from the environment.
-func (a *acmeFlags) config(identity string, given map[string]bool, tf relayFiles, lookupEnv func(string) (string, bool)) (*relay.ACMEConfig, error) {
+func (a *acmeFlags) config(identity string, given map[string]bool, tf relayFiles, lookupEnv func(string) (string, bool)) (*certs.ACMEConfig, error) {
 	if !given["domain"] {
 		for _, f := range []string{"http-listen", "acme-directory", "acme-email", "acme-ca-file", "acme-renew-before"} {
 			if given[f] {
@@ -172,10 +173,10 @@ func (a *acmeFlags) config(identity string, given map[string]bool, tf relayFiles
 	if tf.cert != "" || tf.key != "" {
 		return nil, errors.New("--domain obtains its own certificate: give it or --tls-cert/--tls-key, not both")
 	}
-	cfg := &relay.ACMEConfig{DirectoryURL: a.directory, Email: a.email, RenewBefore: a.renewBefore}
+	cfg := &certs.ACMEConfig{DirectoryURL: a.directory, Email: a.email, RenewBefore: a.renewBefore}
 	seen := map[string]bool{}
 	for _, d := range a.domains {
-		n, err := relay.CheckDomain(d)
+		n, err := certs.CheckDomain(d)
 		if err != nil {
 			return nil, fmt.Errorf("--domain: %w", err)
 		}

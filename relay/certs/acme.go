@@ -1,4 +1,4 @@
-package relay
+package certs
 
 import (
 	"context"
@@ -233,7 +233,7 @@ func (a *ACME) ServeHTTP(ctx context.Context, ln net.Listener, httpsPort int) er
 	redirect := func(w http.ResponseWriter, r *http.Request) { a.redirect(w, r, httpsPort) }
 	srv := &http.Server{
 		Handler:           a.m.HTTPHandler(http.HandlerFunc(redirect)),
-		ReadHeaderTimeout: DefaultReadHeaderTimeout,
+		ReadHeaderTimeout: 10 * time.Second,
 		ReadTimeout:       30 * time.Second,
 		WriteTimeout:      30 * time.Second,
 		IdleTimeout:       time.Minute,

@@ -1,4 +1,4 @@
-package relay
+package certs
 
 import (
 	"net/http"

@@ -1,4 +1,9 @@
-package relay
+// Package certs gives a relay's API listener its HTTPS: clients send their
+// API keys in every request, so a relay reachable from the internet must
+// serve HTTPS, itself or behind a TLS proxy. NewTLSListener serves
+// certificate files and picks up renewed ones (tls.go); ACME obtains and
+// renews certificates itself (acme.go).
+package certs
 
 import (
 	"crypto/tls"
@@ -10,16 +15,13 @@ import (
 	"time"
 )
 
-// Clients send their API keys in every request: a relay reachable from the
-// internet must serve HTTPS, itself (NewTLSListener) or behind a TLS proxy.
-
 // certCheckInterval is how often a TLS listener looks for a renewed
 // certificate on disk (e.g. after certbot ran).
 const certCheckInterval = time.Minute
 
 // NewTLSListener wraps ln so that it serves TLS (1.2 and later) with the
 // certificate chain and key in certFile and keyFile (PEM). Serve the result
-// with Relay.Serve. The files are read now, so a bad pair fails at start;
+// with relay.Relay.Serve. The files are read now, so a bad pair fails at start;
 // afterwards a changed pair is picked up for new connections within about a
 // minute, without a restart. HTTP/1.1 is offered (not HTTP/2).
 func NewTLSListener(ln net.Listener, certFile, keyFile string) (net.Listener, error) {
