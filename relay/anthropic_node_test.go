@@ -16,6 +16,7 @@ import (
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/ledger"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
@@ -72,11 +73,11 @@ func TestAnthropicSDK(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer l.Close()
-			rl := serveRelay(t, relay.Config{P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Token: []byte(itToken),
+			rl := relaytest.ServeRelay(t, relay.Config{P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Token: []byte(itToken),
 				APIKeys: []string{itKey}, Logger: zerolog.New(io.Discard), Ledger: l})
 			model := simengine.DefaultModel
 			if engine == "sim" {
-				eng, stop := runSimEngine(t)
+				eng, stop := relaytest.RunSimEngine(t, fastSim)
 				defer stop()
 				startIndexAgent(t, rl, "a1", eng.URL(), 0)
 			} else {
@@ -87,7 +88,7 @@ func TestAnthropicSDK(t *testing.T) {
 			}
 			waitAgents(t, rl, "a1")
 			start := time.Now()
-			out := runNodeScript(ctx, t, "anthropic_client.mjs", dir, "RELAY_URL="+rl.url, "API_KEY="+itKey, "MODEL="+model)
+			out := runNodeScript(ctx, t, "anthropic_client.mjs", dir, "RELAY_URL="+rl.URL, "API_KEY="+itKey, "MODEL="+model)
 			t.Logf("the SDK's calls took %v", time.Since(start).Round(time.Millisecond))
 			var got anthropicSeen
 			if err := json.Unmarshal(out, &got); err != nil {

@@ -2,7 +2,6 @@ package relay_test
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -24,6 +23,7 @@ import (
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/auditor"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/scheduler/audit"
 )
 
@@ -31,36 +31,28 @@ import (
 // seed is the same model, another seed another model under the same name.
 func simEngine(t testing.TB, seed uint64) string {
 	t.Helper()
-	srv, stop := runSimEngineWith(t, simengine.Config{Models: []string{"m1"}, TimeScale: 20,
+	srv, _ := relaytest.RunSimEngine(t, simengine.Config{Models: []string{"m1"}, TimeScale: 20,
 		Engine: simengine.EngineConfig{Seed: seed}})
-	t.Cleanup(stop)
 	return srv.URL()
 }
 
 // startAgentFor joins a real agent in front of the engine at upstream.
-func startAgentFor(t testing.TB, rl *itRelay, name, upstream string) {
+func startAgentFor(t testing.TB, rl *relaytest.Relay, name, upstream string) {
 	t.Helper()
-	a, err := agent.New(agent.Config{
-		Relay: rl.r.Addrs()[0].String(), Token: itToken, Upstream: upstream, Name: name,
+	relaytest.RunAgent(t, agent.Config{
+		Relay: rl.Relay.Addrs()[0].String(), Token: itToken, Upstream: upstream, Name: name,
 		ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Logger: zerolog.New(io.Discard),
 		MinBackoff: 20 * time.Millisecond, MaxBackoff: 500 * time.Millisecond, DrainTimeout: time.Second,
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- a.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
 }
 
 const auditAdminKey = "admin-key-for-audit-tests"
 
 // auditRelay starts a relay whose audits run fast: a round every 100 ms
 // at most, every pair due every floor.
-func auditRelay(t testing.TB, floor time.Duration, endpointsFile string) (*itRelay, *httptest.Server) {
+func auditRelay(t testing.TB, floor time.Duration, endpointsFile string) (*relaytest.Relay, *httptest.Server) {
 	t.Helper()
-	rl := serveRelay(t, relay.Config{
+	rl := relaytest.ServeRelay(t, relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Token: []byte(itToken), APIKeys: []string{itKey},
 		Logger: zerolog.New(io.Discard), AdminKey: auditAdminKey, AdminListen: "127.0.0.1:0",
 		EndpointsFile: endpointsFile,
@@ -68,19 +60,19 @@ func auditRelay(t testing.TB, floor time.Duration, endpointsFile string) (*itRel
 		Audit: relay.AuditConfig{Interval: 100 * time.Millisecond, FloorEvery: floor, Timeout: 10 * time.Second,
 			Independence: audit.ByAgent, Policy: audit.Policy{BackoffMin: 500 * time.Millisecond}},
 	})
-	admin := httptest.NewServer(rl.r.AdminHandler())
+	admin := httptest.NewServer(rl.Relay.AdminHandler())
 	t.Cleanup(admin.Close)
 	return rl, admin
 }
 
 // sendTraffic sends n streamed chat requests for m1 and returns how many
 // each agent served.
-func sendTraffic(t testing.TB, rl *itRelay, n int) map[string]int {
+func sendTraffic(t testing.TB, rl *relaytest.Relay, n int) map[string]int {
 	t.Helper()
 	served := map[string]int{}
 	for i := range n {
 		body := fmt.Sprintf(`{"model":"m1","messages":[{"role":"user","content":"question %d about the weather in a city by the sea"}],"max_tokens":16,"stream":true}`, i)
-		req, _ := http.NewRequest(http.MethodPost, rl.url+"/v1/chat/completions", strings.NewReader(body))
+		req, _ := http.NewRequest(http.MethodPost, rl.URL+"/v1/chat/completions", strings.NewReader(body))
 		req.Header.Set("Authorization", "Bearer "+itKey)
 		req.Header.Set("Content-Type", "application/json")
 		resp, err := http.DefaultClient.Do(req)
@@ -155,7 +147,7 @@ func TestAuditQuarantinesAnotherModel(t *testing.T) {
 	startAgentFor(t, rl, "liar", simEngine(t, 2))
 	waitAgents(t, rl, "honest-0", "honest-1", "honest-2", "liar")
 	sendTraffic(t, rl, 4) // the auditor shapes its prompts like traffic
-	waitFor(t, "liar quarantined", func() bool { return rl.r.Scheduler().ModelWeight("liar", "m1") == 0 })
+	waitFor(t, "liar quarantined", func() bool { return rl.Relay.Scheduler().ModelWeight("liar", "m1") == 0 })
 
 	st := auditStatus(t, admin)
 	liar, ok := standing(st, "liar")
@@ -185,10 +177,10 @@ func TestAuditQuarantinesAnotherModel(t *testing.T) {
 	if code, body := adminPost(t, admin, "/admin/v1/audits/release", `{"agent":"liar","model":"m1"}`); code != 200 {
 		t.Fatalf("release: %d %s", code, body)
 	}
-	if w := rl.r.Scheduler().ModelWeight("liar", "m1"); w != 1 {
+	if w := rl.Relay.Scheduler().ModelWeight("liar", "m1"); w != 1 {
 		t.Errorf("released liar's weight %v", w)
 	}
-	waitFor(t, "liar quarantined again", func() bool { return rl.r.Scheduler().ModelWeight("liar", "m1") == 0 })
+	waitFor(t, "liar quarantined again", func() bool { return rl.Relay.Scheduler().ModelWeight("liar", "m1") == 0 })
 	// The operator quarantines an honest agent: clean audits do not
 	// release it.
 	if code, body := adminPost(t, admin, "/admin/v1/audits/quarantine", `{"agent":"honest-0","model":"m1","reason":"maintenance"}`); code != 200 {
@@ -199,7 +191,7 @@ func TestAuditQuarantinesAnotherModel(t *testing.T) {
 		h, _ := standing(auditStatus(t, admin), "honest-0")
 		return h.Agreements >= before.Agreements+3
 	})
-	if w := rl.r.Scheduler().ModelWeight("honest-0", "m1"); w != 0 {
+	if w := rl.Relay.Scheduler().ModelWeight("honest-0", "m1"); w != 0 {
 		t.Errorf("clean audits released an operator's quarantine: weight %v", w)
 	}
 	// Bad input: clear errors, nothing changed.
@@ -214,7 +206,7 @@ func TestAuditQuarantinesAnotherModel(t *testing.T) {
 		}
 	}
 	// The metrics tell.
-	resp, err := http.Get(rl.url + "/metrics")
+	resp, err := http.Get(rl.URL + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -381,7 +373,7 @@ func TestAuditLooksLikeTraffic(t *testing.T) {
 		`"temperature":0.7,"top_p":0.9,"stop":["END"],"user":"u-42","tool_choice":"auto",` +
 		`"tools":[{"type":"function","function":{"name":"zanzibar_lookup","description":"Look up zanzibar","parameters":{"type":"object","properties":{"place":{"type":"string"}},"required":["place"]}}}]}`
 	for range 3 {
-		req, _ := http.NewRequest(http.MethodPost, rl.url+"/v1/chat/completions", strings.NewReader(clientBody))
+		req, _ := http.NewRequest(http.MethodPost, rl.URL+"/v1/chat/completions", strings.NewReader(clientBody))
 		req.Header.Set("Authorization", "Bearer "+itKey)
 		req.Header.Set("Content-Type", "application/json")
 		req.Header.Set("Accept", "text/event-stream")
@@ -493,7 +485,7 @@ func TestAuditCollusion(t *testing.T) {
 	waitAgents(t, rl, "honest", "liar-0", "liar-1")
 	sendTraffic(t, rl, 4)
 	waitFor(t, "both liars quarantined", func() bool {
-		return rl.r.Scheduler().ModelWeight("liar-0", "m1") == 0 && rl.r.Scheduler().ModelWeight("liar-1", "m1") == 0
+		return rl.Relay.Scheduler().ModelWeight("liar-0", "m1") == 0 && rl.Relay.Scheduler().ModelWeight("liar-1", "m1") == 0
 	})
 	st := auditStatus(t, admin)
 	for _, name := range []string{"liar-0", "liar-1"} {
@@ -532,12 +524,12 @@ func TestClientVerify(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rl := serveRelay(t, relay.Config{
+	rl := relaytest.ServeRelay(t, relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Token: []byte(itToken), Clients: clients,
 		Logger: zerolog.New(io.Discard), AdminKey: auditAdminKey, AdminListen: "127.0.0.1:0", EndpointsFile: ef,
 		Audit: relay.AuditConfig{Interval: 50 * time.Millisecond, Timeout: 10 * time.Second, Independence: audit.ByAgent},
 	})
-	admin := httptest.NewServer(rl.r.AdminHandler())
+	admin := httptest.NewServer(rl.Relay.AdminHandler())
 	t.Cleanup(admin.Close)
 	other := &wordCounter{word: "kilimanjaro"}
 	otherSrv := httptest.NewServer(other.wrap(t, simEngine(t, 1)))
@@ -556,7 +548,7 @@ func TestClientVerify(t *testing.T) {
 	}
 	for i := 0; i < 300 && !done(); i++ {
 		body := fmt.Sprintf(`{"model":"m1","messages":[{"role":"user","content":"kilimanjaro question %d"}],"max_tokens":8,"temperature":0.7,"functions":[{"name":"f"}]}`, i)
-		req, _ := http.NewRequest(http.MethodPost, rl.url+"/v1/chat/completions", strings.NewReader(body))
+		req, _ := http.NewRequest(http.MethodPost, rl.URL+"/v1/chat/completions", strings.NewReader(body))
 		req.Header.Set("Authorization", "Bearer "+itKey)
 		req.Header.Set("Content-Type", "application/json")
 		resp, err := http.DefaultClient.Do(req)

@@ -14,6 +14,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 )
 
 // Benchmarks of the latency the relay adds. Each iteration sends one request
@@ -49,9 +50,9 @@ func (rt rewriteTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 // the direct target).
 func benchPaths(b *testing.B, kind string, agents int) (engineURL, relayURL string) {
 	b.Helper()
-	engines := make([]*itEngine, agents)
+	engines := make([]*relaytest.FakeEngine, agents)
 	for i := range engines {
-		engines[i] = newITEngine(b, string(rune('a'+i)), "m1")
+		engines[i] = relaytest.NewFakeEngine(b, relaytest.EngineConfig{Name: string(rune('a' + i))})
 	}
 	switch kind {
 	case "quic":
@@ -59,14 +60,14 @@ func benchPaths(b *testing.B, kind string, agents int) (engineURL, relayURL stri
 		names := make([]string, len(engines))
 		for i, e := range engines {
 			names[i] = string(rune('a' + i))
-			startRealAgent(b, rl, names[i], e)
+			startRealAgent(b, rl, names[i], e.URL())
 		}
 		waitAgents(b, rl, names...)
-		return engines[0].srv.URL, rl.url
+		return engines[0].URL(), rl.URL
 	case "http":
 		tr := &http.Transport{MaxIdleConnsPerHost: 256}
 		b.Cleanup(tr.CloseIdleConnections)
-		u, _ := url.Parse(engines[0].srv.URL)
+		u, _ := url.Parse(engines[0].URL())
 		r, err := relay.New(relay.Config{NoP2P: true, Transport: rewriteTransport{tr, u}, APIKeys: []string{itKey}, Logger: zerolog.New(io.Discard)})
 		if err != nil {
 			b.Fatal(err)
@@ -82,7 +83,7 @@ func benchPaths(b *testing.B, kind string, agents int) (engineURL, relayURL stri
 		srv := &http.Server{Handler: r.Handler()}
 		go srv.Serve(ln)
 		b.Cleanup(func() { srv.Close(); r.Close() })
-		return engines[0].srv.URL, "http://" + ln.Addr().String()
+		return engines[0].URL(), "http://" + ln.Addr().String()
 	}
 	b.Fatalf("unknown path kind %q", kind)
 	return "", ""

@@ -16,6 +16,7 @@ import (
 
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/ledger"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/transport"
 )
 
@@ -39,7 +40,7 @@ func TestBudgetAcrossRelays(t *testing.T) {
 		listen, identity string
 		id               peer.ID
 		led              *ledger.Ledger
-		r                *itRelay
+		r                *relaytest.Relay
 	}
 	nodes := make([]*node, 2)
 	for i := range nodes {
@@ -64,7 +65,7 @@ func TestBudgetAcrossRelays(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		n.r = serveRelay(t, relay.Config{
+		n.r = relaytest.ServeRelay(t, relay.Config{
 			P2PListen:    []string{n.listen},
 			IdentityFile: n.identity,
 			Token:        []byte(gToken),
@@ -78,11 +79,11 @@ func TestBudgetAcrossRelays(t *testing.T) {
 	}
 	for i := range 2 {
 		name := fmt.Sprintf("agent-%d", i)
-		startMultiAgent(t, addrs, name, newGEngine(t, name), filepath.Join(dir, name+".key"))
+		startMultiAgent(t, addrs, name, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true}), filepath.Join(dir, name+".key"))
 	}
-	gPoll(t, 60*time.Second, "the relays to share with each other and route to both agents", func() bool {
+	relaytest.Within(t, 60*time.Second, "the relays to share with each other and route to both agents", func() bool {
 		for _, n := range nodes {
-			if len(n.r.r.PeerRelays()) != 1 || !routable(n.r, "agent-0") || !routable(n.r, "agent-1") {
+			if len(n.r.Relay.PeerRelays()) != 1 || !routable(n.r, "agent-0") || !routable(n.r, "agent-1") {
 				return false
 			}
 		}
@@ -137,7 +138,7 @@ func TestBudgetAcrossRelays(t *testing.T) {
 			refusedBy := [2]bool{}
 			for n := 0; n < 5000 && time.Now().Before(deadline) && !(refusedBy[0] && refusedBy[1]); n++ {
 				via := (c + n) % 2
-				req, _ := http.NewRequest(http.MethodPost, nodes[via].r.url+"/v1/chat/completions",
+				req, _ := http.NewRequest(http.MethodPost, nodes[via].r.URL+"/v1/chat/completions",
 					strings.NewReader(`{"model":"m1","messages":[{"role":"user","content":"count my tokens, please"}]}`))
 				req.Header.Set("Content-Type", "application/json")
 				req.Header.Set("Authorization", "Bearer "+key)

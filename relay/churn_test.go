@@ -20,6 +20,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/transport"
 )
 
@@ -121,13 +122,13 @@ type relayFootprint struct {
 	series int    // series on /metrics
 }
 
-func footprint(t *testing.T, rl *itRelay) relayFootprint {
+func footprint(t *testing.T, rl *relaytest.Relay) relayFootprint {
 	t.Helper()
 	runtime.GC()
 	runtime.GC()
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
-	resp, err := http.Get(rl.url + "/metrics")
+	resp, err := http.Get(rl.URL + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -177,14 +178,14 @@ func TestChurnStaysBounded(t *testing.T) {
 	if v, err := strconv.Atoi(os.Getenv("COMPUTEFLUX_CHURN")); err == nil && v >= 10 {
 		total, first, full = v, v/10, true
 	}
-	rl := serveRelay(t, relay.Config{
+	rl := relaytest.ServeRelay(t, relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
 		Token:     []byte(itToken),
 		APIKeys:   []string{itKey},
 		Logger:    zerolog.New(io.Discard),
 	})
-	relayInfo := rl.info()
-	c := newClient(t, rl.url)
+	relayInfo := rl.Info()
+	c := newClient(t, rl.URL)
 	ctx := context.Background()
 
 	const workers = 4
@@ -281,10 +282,10 @@ const libp2pRetention = 2*time.Minute + 10*time.Second
 // from a churned agent and, for a heap measurement (withHeap), until
 // libp2p's own retention has passed and the heap holds still; it returns
 // the footprint then.
-func settle(t *testing.T, rl *itRelay, withHeap bool) relayFootprint {
+func settle(t *testing.T, rl *relaytest.Relay, withHeap bool) relayFootprint {
 	t.Helper()
 	waitFor(t, "every churned agent gone", func() bool {
-		return len(rl.r.Registry().Agents()) == 0 && len(rl.r.Host().Network().Peers()) == 0
+		return len(rl.Relay.Registry().Agents()) == 0 && len(rl.Relay.Host().Network().Peers()) == 0
 	})
 	fp := footprint(t, rl)
 	if !withHeap {

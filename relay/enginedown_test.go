@@ -3,42 +3,15 @@ package relay_test
 import (
 	"fmt"
 	"io"
-	"net"
 	"net/http"
-	"net/http/httptest"
 	"testing"
 	"time"
 
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/agent"
+	"github.com/computeflux/computeflux/relay/relaytest"
 )
-
-// restartableEngine is an itEngine whose HTTP server can go down and come
-// back on the same address.
-type restartableEngine struct {
-	*itEngine
-	addr string
-}
-
-func newRestartableEngine(t *testing.T, name string) *restartableEngine {
-	e := newITEngine(t, name, "m1")
-	return &restartableEngine{itEngine: e, addr: e.srv.Listener.Addr().String()}
-}
-
-func (e *restartableEngine) down() { e.srv.Close() }
-
-func (e *restartableEngine) up(t *testing.T) {
-	ln, err := net.Listen("tcp", e.addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	e.srv = httptest.NewUnstartedServer(http.HandlerFunc(e.serve))
-	e.srv.Listener.Close()
-	e.srv.Listener = ln
-	e.srv.Start()
-	t.Cleanup(e.srv.Close)
-}
 
 // Engine down, agent up: requests that meet the refused connection are
 // retried on another agent at once, and the agent drains (out of routing)
@@ -52,14 +25,14 @@ func TestEngineDownAgentUp(t *testing.T) {
 		bound   = 2 * recheck
 	)
 	rl := startRelayLogger(t, zerolog.New(io.Discard))
-	down := newRestartableEngine(t, "down")
+	down := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "down"})
 	noRefresh := func(c *agent.Config) { c.RefreshInterval = time.Hour }
-	startRealAgent(t, rl, "down", down.itEngine, noRefresh)
-	startRealAgent(t, rl, "up", newITEngine(t, "up", "m1"), noRefresh)
+	startRealAgent(t, rl, "down", down.URL(), noRefresh)
+	startRealAgent(t, rl, "up", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "up"}).URL(), noRefresh)
 	waitAgents(t, rl, "down", "up")
 
-	down.down()
-	c := newClient(t, rl.url)
+	down.Down()
+	c := newClient(t, rl.URL)
 	// Requests go on until one has met the dead engine (the scheduler may
 	// send the first few to the other agent): each is served by up.
 	var firstFailure time.Time
@@ -71,14 +44,14 @@ func TestEngineDownAgentUp(t *testing.T) {
 		if status != http.StatusOK || served != "up" {
 			t.Fatalf("request %d with an engine down: status %d from %q, want 200 from up", i, status, served)
 		}
-		for _, e := range rl.r.Scheduler().Snapshot() {
+		for _, e := range rl.Relay.Scheduler().Snapshot() {
 			if e.ID == "down" && e.Failures > 0 {
 				firstFailure = time.Now()
 			}
 		}
 	}
 	draining := func() bool {
-		for _, a := range rl.r.Registry().Agents() {
+		for _, a := range rl.Relay.Registry().Agents() {
 			if a.Name == "down" {
 				return a.Draining || a.Health.Draining
 			}
@@ -93,7 +66,7 @@ func TestEngineDownAgentUp(t *testing.T) {
 		t.Logf("agent draining %v after the first request failed on it", took.Round(time.Millisecond))
 	}
 
-	down.up(t)
+	down.Up(t)
 	back := time.Now()
 	waitAgents(t, rl, "down")
 	if took := time.Since(back); took > bound {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay/relaytest"
 )
 
 // vllmFront makes a sim engine look like the engine of a report: an
@@ -97,28 +98,28 @@ func newVLLMFront(t testing.TB, upstream string) *vllmFront {
 // listed as served.
 func TestIssueEngineServesResponses(t *testing.T) {
 	rl := startRelay(t, "", "")
-	eng, stop := runSimEngine(t)
+	eng, stop := relaytest.RunSimEngine(t, fastSim)
 	defer stop()
 	f := newVLLMFront(t, eng.URL())
 	ra := startIndexAgent(t, rl, "vllm-nodocs", f.srv.URL, 0)
 	waitAgents(t, rl, "vllm-nodocs")
-	waitFor(t, "the engine identified", func() bool { return ra.a.Engine().Kind == agent.EngineVLLM })
-	if e := ra.a.Engine(); strings.Join(e.APIs, ",") != "/v1/responses" || len(e.UnknownAPIs) != 0 {
+	waitFor(t, "the engine identified", func() bool { return ra.Agent.Engine().Kind == agent.EngineVLLM })
+	if e := ra.Agent.Engine(); strings.Join(e.APIs, ",") != "/v1/responses" || len(e.UnknownAPIs) != 0 {
 		t.Fatalf("engine %+v, want vllm serving /v1/responses", e)
 	}
 	if n := f.generated.Load(); n != 0 {
 		t.Fatalf("the engine generated %d times before any client asked", n)
 	}
-	resp, b := postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"Say hello"}`, simengine.DefaultModel))
+	resp, b := postJSON(t, rl.URL+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"Say hello"}`, simengine.DefaultModel))
 	var first struct{ ID, Object string }
 	if resp.StatusCode != http.StatusOK || json.Unmarshal(b, &first) != nil || first.Object != "response" {
 		t.Fatalf("responses.create: %d %s", resp.StatusCode, b)
 	}
-	resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"Say hello","stream":true}`, simengine.DefaultModel))
+	resp, b = postJSON(t, rl.URL+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"Say hello","stream":true}`, simengine.DefaultModel))
 	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), "response.completed") {
 		t.Fatalf("streamed: %d %s", resp.StatusCode, b)
 	}
-	resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"And then?","previous_response_id":%q}`, simengine.DefaultModel, first.ID))
+	resp, b = postJSON(t, rl.URL+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"And then?","previous_response_id":%q}`, simengine.DefaultModel, first.ID))
 	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"previous_response_id":"`+first.ID) {
 		t.Fatalf("follow-up: %d %s", resp.StatusCode, b)
 	}
@@ -140,14 +141,14 @@ func TestUnknownAPILearnedFromTheFirstAnswer(t *testing.T) {
 	lacking := newParseFirstEngine(t, false)
 	rb := startIndexAgent(t, rl, "lacking", lacking.srv.URL, 0)
 	waitAgents(t, rl, "lacking")
-	if e := rb.a.Engine(); len(e.APIs) != 0 || len(e.UnknownAPIs) != 2 {
+	if e := rb.Agent.Engine(); len(e.APIs) != 0 || len(e.UnknownAPIs) != 2 {
 		t.Fatalf("engine %+v, want both optional APIs unknown", e)
 	}
-	resp, b := postJSON(t, rl.url+"/v1/responses", `{"model":"m1","input":"Say hello"}`)
+	resp, b := postJSON(t, rl.URL+"/v1/responses", `{"model":"m1","input":"Say hello"}`)
 	if resp.StatusCode != http.StatusNotFound || !strings.Contains(string(b), "No agent's engine serves /v1/responses") || lacking.routed.Load() != 1 {
 		t.Fatalf("only a lacking engine: %d %s (tried there %d times)", resp.StatusCode, b, lacking.routed.Load())
 	}
-	if e := rb.a.Engine(); strings.Join(e.UnknownAPIs, ",") != "/v1/messages" || len(e.APIs) != 0 {
+	if e := rb.Agent.Engine(); strings.Join(e.UnknownAPIs, ",") != "/v1/messages" || len(e.APIs) != 0 {
 		t.Fatalf("the lacking engine's agent learned %+v", e)
 	}
 
@@ -155,12 +156,12 @@ func TestUnknownAPILearnedFromTheFirstAnswer(t *testing.T) {
 	ra := startIndexAgent(t, rl, "maybe", g.srv.URL, 0)
 	waitAgents(t, rl, "maybe")
 	for i := range 3 {
-		resp, b := postJSON(t, rl.url+"/v1/responses", `{"model":"m1","input":"Say hello"}`)
+		resp, b := postJSON(t, rl.URL+"/v1/responses", `{"model":"m1","input":"Say hello"}`)
 		if resp.StatusCode != http.StatusOK || resp.Header.Get("X-ComputeFlux-Agent") != "maybe" {
 			t.Fatalf("request %d: %d from %q: %s", i, resp.StatusCode, resp.Header.Get("X-ComputeFlux-Agent"), b)
 		}
 	}
-	if e := ra.a.Engine(); strings.Join(e.APIs, ",") != "/v1/responses" {
+	if e := ra.Agent.Engine(); strings.Join(e.APIs, ",") != "/v1/responses" {
 		t.Fatalf("the serving agent did not learn: %+v", e)
 	}
 	if n := lacking.generated.Load() + lacking.routed.Load(); n != 1 {

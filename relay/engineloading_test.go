@@ -13,6 +13,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
@@ -24,7 +25,7 @@ import (
 // routes the Responses API, which only a recognised engine gets, to it.
 func TestEngineLoadingThroughRealParts(t *testing.T) {
 	slow.Gate(t, "waits on an engine loading its model")
-	eng, stopEngine := runSimEngine(t)
+	eng, stopEngine := relaytest.RunSimEngine(t, fastSim)
 	defer stopEngine()
 	target, err := url.Parse(eng.URL())
 	if err != nil {
@@ -48,28 +49,28 @@ func TestEngineLoadingThroughRealParts(t *testing.T) {
 	rl := startRelay(t, "", "")
 	ra := startIndexAgent(t, rl, "loading", front.URL, 0) // refreshes every 200 ms
 	waitAgents(t, rl, "loading")
-	if k := ra.a.Engine().Kind; k != agent.EngineUnknown {
+	if k := ra.Agent.Engine().Kind; k != agent.EngineUnknown {
 		t.Fatalf("engine %q while it loads, want not identified yet", k)
 	}
 	body := fmt.Sprintf(`{"model":%q,"input":"Hello"}`, simengine.DefaultModel)
-	if resp, b := postJSON(t, rl.url+"/v1/responses", body); resp.StatusCode == http.StatusOK {
+	if resp, b := postJSON(t, rl.URL+"/v1/responses", body); resp.StatusCode == http.StatusOK {
 		t.Fatalf("Responses API served before the engine was identified: %s", b)
 	}
 
 	loading.Store(false)
 	loadedAt := time.Now()
-	waitFor(t, "the engine identified after loading", func() bool { return ra.a.Engine().Kind == agent.EngineSim })
+	waitFor(t, "the engine identified after loading", func() bool { return ra.Agent.Engine().Kind == agent.EngineSim })
 	identified := time.Since(loadedAt)
 	var resp *http.Response
 	var b []byte
 	waitFor(t, "the relay routing the Responses API to the agent", func() bool {
-		resp, b = postJSON(t, rl.url+"/v1/responses", body)
+		resp, b = postJSON(t, rl.URL+"/v1/responses", body)
 		return resp.StatusCode == http.StatusOK
 	})
 	if got := resp.Header.Get("X-ComputeFlux-Agent"); got != "loading" {
 		t.Fatalf("served by %q: %s", got, b)
 	}
-	if n := ra.a.KVCapacityTokens(); n <= 0 {
+	if n := ra.Agent.KVCapacityTokens(); n <= 0 {
 		t.Fatalf("KV capacity %d after identification", n)
 	}
 	t.Logf("identified %v after the engine loaded (refresh every 200 ms)", identified.Round(time.Millisecond))

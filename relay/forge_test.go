@@ -24,6 +24,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -87,10 +88,10 @@ type mallory struct {
 	st map[peer.ID]network.Stream
 }
 
-func newMallory(t *testing.T, gr *itRelay) *mallory {
+func newMallory(t *testing.T, gr *relaytest.Relay) *mallory {
 	t.Helper()
 	h := newHost(t)
-	ri := gr.info()
+	ri := gr.Info()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := h.Connect(ctx, ri); err != nil {
@@ -191,7 +192,7 @@ func forgedCompound(t testing.TB, victim, attacker peer.ID, inc uint32) []byte {
 // attackLoad sends chat requests for the victim's model until stop closes
 // and counts them; with each request it also samples whether the relay's
 // gossip still holds the victim alive with its own metadata (healthy).
-func attackLoad(gr *itRelay, victim peer.ID, stop <-chan struct{}) (ok, total, healthy *atomic.Int64, done <-chan struct{}) {
+func attackLoad(gr *relaytest.Relay, victim peer.ID, stop <-chan struct{}) (ok, total, healthy *atomic.Int64, done <-chan struct{}) {
 	ok, total, healthy = new(atomic.Int64), new(atomic.Int64), new(atomic.Int64)
 	d := make(chan struct{})
 	go func() {
@@ -208,7 +209,7 @@ func attackLoad(gr *itRelay, victim peer.ID, stop <-chan struct{}) (ok, total, h
 			if victimHealthy(gr, victim) {
 				healthy.Add(1)
 			}
-			resp, err := hc.Post(gr.url+"/v1/chat/completions", "application/json",
+			resp, err := hc.Post(gr.URL+"/v1/chat/completions", "application/json",
 				strings.NewReader(`{"model":"m1","messages":[{"role":"user","content":"hi"}]}`))
 			if err != nil {
 				continue
@@ -224,11 +225,11 @@ func attackLoad(gr *itRelay, victim peer.ID, stop <-chan struct{}) (ok, total, h
 
 // victimHealthy reports whether the relay routes to the victim and its
 // gossip lists it alive with its own metadata.
-func victimHealthy(gr *itRelay, victim peer.ID) bool {
+func victimHealthy(gr *relaytest.Relay, victim peer.ID) bool {
 	if !routable(gr, "victim") {
 		return false
 	}
-	for _, m := range gr.r.Gossip().Members() {
+	for _, m := range gr.Relay.Gossip().Members() {
 		if m.Peer == victim {
 			return !m.Suspect && m.Meta.Name == "victim" && !m.Meta.Draining && !m.Meta.Unavailable
 		}
@@ -241,12 +242,12 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 	t.Parallel() // waits on gossip timers, in its own relay and agents
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
 	dir := t.TempDir()
-	v := startGAgent(t, gr, "victim", newGEngine(t, "victim"), filepath.Join(dir, "victim.key"), gFastTune, transport.GossipPresetLocal)
-	gPoll(t, 30*time.Second, "the victim alive in the relay's gossip", func() bool { return victimHealthy(gr, v.a.ID()) })
-	probe := gr.r.Gossip().MemberlistConfig().ProbeInterval
+	v := startGAgent(t, gr, "victim", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "victim", VLLMMetrics: true}), filepath.Join(dir, "victim.key"), gFastTune, transport.GossipPresetLocal)
+	relaytest.Within(t, 30*time.Second, "the victim alive in the relay's gossip", func() bool { return victimHealthy(gr, v.Agent.ID()) })
+	probe := gr.Relay.Gossip().MemberlistConfig().ProbeInterval
 	window := attackWindow(t)
-	ri := gr.info()
-	victimAddrs := func() []ma.Multiaddr { return transport.CircuitAddrs(ri, v.a.ID()) }
+	ri := gr.Info()
+	victimAddrs := func() []ma.Multiaddr { return transport.CircuitAddrs(ri, v.Agent.ID()) }
 
 	// Below the forgery bar: believed by nobody, but not proof of forgery
 	// either (an honest member may pass on a claim it heard), so the
@@ -265,30 +266,30 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 		for _, inc := range []uint32{1, 1 << 20} {
 			t.Run(fmt.Sprintf("%s at %d every 500ms", f.name, inc), func(t *testing.T) {
 				ml := newMallory(t, gr)
-				gPoll(t, 30*time.Second, "the victim to know the attacker", func() bool { return v.a.Gossip().Known(ml.h.ID()) })
+				relaytest.Within(t, 30*time.Second, "the victim to know the attacker", func() bool { return v.Agent.Gossip().Known(ml.h.ID()) })
 				stop := make(chan struct{})
-				ok, total, healthy, loadDone := attackLoad(gr, v.a.ID(), stop)
+				ok, total, healthy, loadDone := attackLoad(gr, v.Agent.ID(), stop)
 				start := time.Now()
 				sent, toVictim := 0, 0
 				for time.Since(start) < window {
-					msg := f.msg(t, v.a.ID(), ml.h.ID(), inc+uint32(2*sent))
+					msg := f.msg(t, v.Agent.ID(), ml.h.ID(), inc+uint32(2*sent))
 					if err := ml.send(ri.ID, nil, msg); err != nil {
 						t.Fatalf("send to relay: %v", err)
 					}
 					sent++
-					if err := ml.send(v.a.ID(), victimAddrs, msg); err == nil {
+					if err := ml.send(v.Agent.ID(), victimAddrs, msg); err == nil {
 						toVictim++
 					}
 					time.Sleep(500 * time.Millisecond)
 				}
 				stopped := time.Now()
-				back := gPoll(t, 30*time.Second, "the victim healthy after the attack", func() bool { return victimHealthy(gr, v.a.ID()) })
+				back := relaytest.Within(t, 30*time.Second, "the victim healthy after the attack", func() bool { return victimHealthy(gr, v.Agent.ID()) })
 				close(stop)
 				<-loadDone
 				rate := float64(ok.Load()) / float64(max(total.Load(), 1))
 				hrate := float64(healthy.Load()) / float64(max(total.Load(), 1))
 				t.Logf("%s at incarnation %d: %d packets to the relay, %d to the victim over %v; victim served %d/%d (%.2f%%), healthy in the relay's gossip in %.2f%% of samples; healthy %v after the attack stopped (probe period %v); relay filtered %d",
-					f.name, inc, sent, toVictim, stopped.Sub(start).Round(time.Millisecond), ok.Load(), total.Load(), 100*rate, 100*hrate, back.Round(time.Millisecond), probe, gr.r.Gossip().Stats().Filtered)
+					f.name, inc, sent, toVictim, stopped.Sub(start).Round(time.Millisecond), ok.Load(), total.Load(), 100*rate, 100*hrate, back.Round(time.Millisecond), probe, gr.Relay.Gossip().Stats().Filtered)
 				if rate < 0.99 {
 					t.Errorf("victim served %.2f%% of requests under attack, want >= 99%%", 100*rate)
 				}
@@ -318,17 +319,17 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 			ml := newMallory(t, gr)
 			forgeries := metric(t, gr, "computeflux_gossip_forgeries_total")
 			stop := make(chan struct{})
-			ok, total, healthy, loadDone := attackLoad(gr, v.a.ID(), stop)
+			ok, total, healthy, loadDone := attackLoad(gr, v.Agent.ID(), stop)
 			start := time.Now()
 			var sent int
 			var sendErr error
 			for time.Since(start) < window && sendErr == nil {
-				if sendErr = ml.send(ri.ID, nil, f.msg(t, v.a.ID(), ml.h.ID(), f.inc)); sendErr == nil {
+				if sendErr = ml.send(ri.ID, nil, f.msg(t, v.Agent.ID(), ml.h.ID(), f.inc)); sendErr == nil {
 					sent++
 				}
 				time.Sleep(500 * time.Millisecond)
 			}
-			cut := gPoll(t, 10*time.Second, "the attacker's registration to end", func() bool { return !gr.r.Registry().IsJoined(ml.h.ID()) })
+			cut := relaytest.Within(t, 10*time.Second, "the attacker's registration to end", func() bool { return !gr.Relay.Registry().IsJoined(ml.h.ID()) })
 			if sent == 0 {
 				t.Fatalf("no forged packet was sent (%v): the cut-off proves nothing", sendErr)
 			}
@@ -343,7 +344,7 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 			if !errors.As(err, &rej) || !strings.Contains(rej.Reason, relay.ErrBanned.Error()) {
 				t.Errorf("the cut-off attacker's join again: %v, want refused with %q", err, relay.ErrBanned)
 			}
-			back := gPoll(t, 30*time.Second, "the victim healthy", func() bool { return victimHealthy(gr, v.a.ID()) })
+			back := relaytest.Within(t, 30*time.Second, "the victim healthy", func() bool { return victimHealthy(gr, v.Agent.ID()) })
 			time.Sleep(time.Second)
 			close(stop)
 			<-loadDone
@@ -364,7 +365,7 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 
 	t.Run("victim restarts during an attack", func(t *testing.T) {
 		ml := newMallory(t, gr)
-		victim := v.a.ID() // the same identity after the restart
+		victim := v.Agent.ID() // the same identity after the restart
 		stop := make(chan struct{})
 		attackDone := make(chan struct{})
 		go func() {
@@ -381,14 +382,14 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 		}()
 		defer func() { close(stop); <-attackDone }()
 		time.Sleep(time.Second)
-		v.stop()
-		gPoll(t, 30*time.Second, "the victim's registration to end", func() bool { return !gr.r.Registry().IsJoined(v.a.ID()) })
+		v.Stop()
+		relaytest.Within(t, 30*time.Second, "the victim's registration to end", func() bool { return !gr.Relay.Registry().IsJoined(v.Agent.ID()) })
 		time.Sleep(time.Second)
 		v = startGAgent(t, gr, "victim", v.e, v.identity, gFastTune, transport.GossipPresetLocal)
-		gPoll(t, 30*time.Second, "the victim to join again", func() bool { return gr.r.Registry().IsJoined(v.a.ID()) })
-		took := gPoll(t, 10*time.Second, "the restarted victim routable", func() bool { return routable(gr, "victim") })
+		relaytest.Within(t, 30*time.Second, "the victim to join again", func() bool { return gr.Relay.Registry().IsJoined(v.Agent.ID()) })
+		took := relaytest.Within(t, 10*time.Second, "the restarted victim routable", func() bool { return routable(gr, "victim") })
 		served := servedBy(t, gr, 5)
-		gossipTook := gPoll(t, 30*time.Second, "the restarted victim alive in the relay's gossip", func() bool { return victimHealthy(gr, v.a.ID()) })
+		gossipTook := relaytest.Within(t, 30*time.Second, "the restarted victim alive in the relay's gossip", func() bool { return victimHealthy(gr, v.Agent.ID()) })
 		t.Logf("restarted victim routable %v after its join, under attack (alive with its metadata in the relay's gossip after %v); served %v",
 			took.Round(time.Millisecond), gossipTook.Round(time.Millisecond), served)
 		if took > 2*time.Second {

@@ -69,11 +69,11 @@ func TestGenericEngineServesResponses(t *testing.T) {
 		t.Fatalf("the engine generated %d times before any client asked", n)
 	}
 	// As the OpenAI SDKs send it.
-	resp, b := postJSON(t, rl.url+"/v1/responses", `{"model":"m1","input":"Say hello"}`)
+	resp, b := postJSON(t, rl.URL+"/v1/responses", `{"model":"m1","input":"Say hello"}`)
 	if resp.StatusCode != http.StatusOK || resp.Header.Get(relay.HeaderAgent) != "generic" {
 		t.Fatalf("status %d from %q: %s", resp.StatusCode, resp.Header.Get(relay.HeaderAgent), b)
 	}
-	if e := ra.a.Engine(); e.Kind != agent.EngineUnknown || strings.Join(e.APIs, ",") != "/v1/responses" {
+	if e := ra.Agent.Engine(); e.Kind != agent.EngineUnknown || strings.Join(e.APIs, ",") != "/v1/responses" {
 		t.Fatalf("engine %+v, want not recognised, serving /v1/responses", e)
 	}
 	var out struct {
@@ -87,7 +87,7 @@ func TestGenericEngineServesResponses(t *testing.T) {
 		t.Fatalf("the engine generated %d times for one request", n)
 	}
 	// The Messages API, which the engine lacks, is translated to chat.
-	if resp, b := postJSON(t, rl.url+"/v1/messages", `{"model":"m1","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != http.StatusOK ||
+	if resp, b := postJSON(t, rl.URL+"/v1/messages", `{"model":"m1","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != http.StatusOK ||
 		!strings.Contains(string(b), `"type":"message"`) || !strings.Contains(string(b), `"text":"hello"`) {
 		t.Fatalf("/v1/messages: status %d: %s", resp.StatusCode, b)
 	}

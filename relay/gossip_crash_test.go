@@ -1,7 +1,6 @@
 package relay_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -22,6 +21,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -107,7 +107,7 @@ func runCrash(t *testing.T, n int, preset string, tune func(*memberlist.Config),
 	var res crashRun
 	gr := startGRelay(t, tune, preset, relay.WithoutLiveness)
 	dir := t.TempDir()
-	p, err := gr.r.Addrs()[0].ValueForProtocol(ma.P_UDP)
+	p, err := gr.Relay.Addrs()[0].ValueForProtocol(ma.P_UDP)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -119,15 +119,15 @@ func runCrash(t *testing.T, n int, preset string, tune func(*memberlist.Config),
 	start := time.Now()
 	for i := range agents {
 		name := fmt.Sprintf("agent-%d", i)
-		e := newGEngine(t, name)
+		e := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true})
 		if i < n-1 {
 			agents[i] = startGAgent(t, gr, name, e, filepath.Join(dir, name+".key"), tune, preset)
 			continue
 		}
-		relayVia := fmt.Sprintf("/ip4/127.0.0.1/udp/%d/quic-v1/p2p/%s", cut.port(), gr.r.Host().ID())
+		relayVia := fmt.Sprintf("/ip4/127.0.0.1/udp/%d/quic-v1/p2p/%s", cut.port(), gr.Relay.Host().ID())
 		agents[i] = startGAgentVia(t, relayVia, name, e, tune, preset)
 	}
-	gPoll(t, 2*time.Minute, "convergence", func() bool {
+	relaytest.Within(t, 2*time.Minute, "convergence", func() bool {
 		if len(relayAgentMembers(gr)) != n {
 			return false
 		}
@@ -135,7 +135,7 @@ func runCrash(t *testing.T, n int, preset string, tune func(*memberlist.Config),
 			res.relaySees = time.Since(start)
 		}
 		for _, ga := range agents {
-			if g := ga.a.Gossip(); g == nil || len(g.Members()) != n {
+			if g := ga.Agent.Gossip(); g == nil || len(g.Members()) != n {
 				return false
 			}
 		}
@@ -149,9 +149,9 @@ func runCrash(t *testing.T, n int, preset string, tune func(*memberlist.Config),
 		agents []uint64
 	}
 	read := func() sample {
-		s := sample{relay: gr.r.Gossip().Stats().BytesSent}
+		s := sample{relay: gr.Relay.Gossip().Stats().BytesSent}
 		for _, ga := range agents {
-			s.agents = append(s.agents, ga.a.Gossip().Stats().BytesSent)
+			s.agents = append(s.agents, ga.Agent.Gossip().Stats().BytesSent)
 		}
 		return s
 	}
@@ -166,13 +166,13 @@ func runCrash(t *testing.T, n int, preset string, tune func(*memberlist.Config),
 	}
 
 	victim := agents[n-1]
-	gPoll(t, time.Minute, "the victim routable", func() bool { return routable(gr, victim.name) })
+	relaytest.Within(t, time.Minute, "the victim routable", func() bool { return routable(gr, victim.Name) })
 	cut.cut.Store(true)
-	res.detect = gPoll(t, 3*time.Minute, "the relay to stop routing to the silenced agent", func() bool { return !routable(gr, victim.name) })
-	if got := servedBy(t, gr, 2*n); got[victim.name] > 0 {
+	res.detect = relaytest.Within(t, 3*time.Minute, "the relay to stop routing to the silenced agent", func() bool { return !routable(gr, victim.Name) })
+	if got := servedBy(t, gr, 2*n); got[victim.Name] > 0 {
 		t.Errorf("requests still reached the silenced agent: %v", got)
 	}
-	if h := victim.a.Host(); h != nil {
+	if h := victim.Agent.Host(); h != nil {
 		_ = h.Close()
 	}
 	var wg sync.WaitGroup
@@ -180,22 +180,22 @@ func runCrash(t *testing.T, n int, preset string, tune func(*memberlist.Config),
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			ga.stop()
+			ga.Stop()
 		}()
 	}
 	wg.Wait()
-	gr.stop()
+	gr.Stop()
 	return res
 }
 
 // startGAgentVia starts an agent that dials its relay at relayAddr (an
 // address through a udpCut), with an ephemeral identity.
-func startGAgentVia(t testing.TB, relayAddr, name string, e *gEngine, tune func(*memberlist.Config), preset string) *gAgent {
+func startGAgentVia(t testing.TB, relayAddr, name string, e *relaytest.FakeEngine, tune func(*memberlist.Config), preset string) *gAgent {
 	t.Helper()
-	a, err := agent.New(agent.Config{
+	return runGAgent(t, agent.Config{
 		Relay:           relayAddr,
 		Token:           gToken,
-		Upstream:        e.srv.URL,
+		Upstream:        e.URL(),
 		Name:            name,
 		ListenAddrs:     []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
 		Logger:          zerolog.New(io.Discard),
@@ -204,15 +204,7 @@ func startGAgentVia(t testing.TB, relayAddr, name string, e *gEngine, tune func(
 		DrainTimeout:    time.Second,
 		RefreshInterval: time.Second,
 		Gossip:          agent.GossipConfig{Preset: preset, Tune: tune, MetricsInterval: 100 * time.Millisecond, LeaveTimeout: time.Second},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	ga := &gAgent{name: name, e: e, a: a, cancel: cancel, done: make(chan error, 1)}
-	go func() { ga.done <- a.Run(ctx) }()
-	t.Cleanup(ga.stop)
-	return ga
+	}, e)
 }
 
 // TestGossipDetectsSilencedAgent: an agent whose every packet vanishes

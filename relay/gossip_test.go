@@ -5,14 +5,12 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
 	"sort"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -22,6 +20,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
@@ -49,45 +48,11 @@ func gFastTune(c *memberlist.Config) {
 	c.GossipToTheDeadTime = 10 * time.Second
 }
 
-// gEngine is an OpenAI-compatible engine with vLLM-style /metrics.
-type gEngine struct {
-	name                      string
-	srv                       *httptest.Server
-	running, waiting, kvMilli atomic.Int64
-	metricsBroken             atomic.Bool // /metrics answers 500
-}
-
-func newGEngine(t testing.TB, name string) *gEngine {
-	e := &gEngine{name: name}
-	e.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		switch r.URL.Path {
-		case "/v1/models":
-			w.Header().Set("Content-Type", "application/json")
-			fmt.Fprint(w, `{"object":"list","data":[{"id":"m1","object":"model"}]}`)
-		case "/metrics":
-			if e.metricsBroken.Load() {
-				http.Error(w, "exporter broken", http.StatusInternalServerError)
-				return
-			}
-			fmt.Fprintf(w, "vllm:num_requests_running{model_name=\"m1\"} %d\nvllm:num_requests_waiting{model_name=\"m1\"} %d\nvllm:kv_cache_usage_perc{model_name=\"m1\"} %g\n",
-				e.running.Load(), e.waiting.Load(), float64(e.kvMilli.Load())/1000)
-		case "/v1/chat/completions":
-			_, _ = io.Copy(io.Discard, r.Body)
-			w.Header().Set("Content-Type", "application/json")
-			fmt.Fprintf(w, `{"id":"x","object":"chat.completion","model":"m1","choices":[{"index":0,"message":{"role":"assistant","content":"hi from %s"},"finish_reason":"stop"}]}`, e.name)
-		default:
-			http.NotFound(w, r)
-		}
-	}))
-	t.Cleanup(e.srv.Close)
-	return e
-}
-
 // gRelay is a relay with gossip serving HTTP on loopback.
 // startGRelay starts a relay that takes part in gossip with the given
 // preset and tuning.
 // Each of edits changes the relay's configuration before it starts.
-func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string, edits ...func(*relay.Config)) *itRelay {
+func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string, edits ...func(*relay.Config)) *relaytest.Relay {
 	t.Helper()
 	cfg := relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
@@ -100,33 +65,31 @@ func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string, edi
 	for _, edit := range edits {
 		edit(&cfg)
 	}
-	return serveRelay(t, cfg)
+	return relaytest.ServeRelay(t, cfg)
 }
 
-// gAgent is a package agent Agent in front of a gEngine.
+// gAgent is an agent of the gossip tests, with its engine and identity
+// file.
 type gAgent struct {
-	name     string
-	e        *gEngine
+	*relaytest.Agent
+	e        *relaytest.FakeEngine
 	identity string
-	a        *agent.Agent
-	cancel   context.CancelFunc
-	done     chan error
 }
 
-func startGAgent(t testing.TB, gr *itRelay, name string, e *gEngine, identity string, tune func(*memberlist.Config), preset string) *gAgent {
+func startGAgent(t testing.TB, gr *relaytest.Relay, name string, e *relaytest.FakeEngine, identity string, tune func(*memberlist.Config), preset string) *gAgent {
 	t.Helper()
 	cfg := gAgentConfig(t, name, e, identity)
-	cfg.Relay = gr.r.Addrs()[0].String()
+	cfg.Relay = gr.Relay.Addrs()[0].String()
 	cfg.Gossip.Preset, cfg.Gossip.Tune = preset, tune
 	return runGAgent(t, cfg, e)
 }
 
 // gAgentConfig is the agent configuration of the gossip tests (fast
 // backoff, drain and gossip timings) for an agent of e, relays not set.
-func gAgentConfig(t testing.TB, name string, e *gEngine, identity string) agent.Config {
+func gAgentConfig(t testing.TB, name string, e *relaytest.FakeEngine, identity string) agent.Config {
 	return agent.Config{
 		Token:           gToken,
-		Upstream:        e.srv.URL,
+		Upstream:        e.URL(),
 		Name:            name,
 		IdentityFile:    identity,
 		ListenAddrs:     []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
@@ -140,26 +103,9 @@ func gAgentConfig(t testing.TB, name string, e *gEngine, identity string) agent.
 }
 
 // runGAgent runs an agent of e on cfg until the test ends.
-func runGAgent(t testing.TB, cfg agent.Config, e *gEngine) *gAgent {
+func runGAgent(t testing.TB, cfg agent.Config, e *relaytest.FakeEngine) *gAgent {
 	t.Helper()
-	a, err := agent.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	ga := &gAgent{name: cfg.Name, e: e, identity: cfg.IdentityFile, a: a, cancel: cancel, done: make(chan error, 1)}
-	go func() { ga.done <- a.Run(ctx) }()
-	t.Cleanup(ga.stop)
-	return ga
-}
-
-// stop drains the agent and leaves gracefully.
-func (ga *gAgent) stop() {
-	if ga.cancel != nil {
-		ga.cancel()
-		<-ga.done
-		ga.cancel = nil
-	}
+	return &gAgent{Agent: relaytest.RunAgent(t, cfg), e: e, identity: cfg.IdentityFile}
 }
 
 // gTestLogger discards, unless COMPUTEFLUX_TEST_LOG names a file: then
@@ -177,25 +123,11 @@ func gTestLogger(t testing.TB, who string) zerolog.Logger {
 	return zerolog.New(f).Level(zerolog.DebugLevel).With().Timestamp().Str("who", who).Logger()
 }
 
-// gPoll polls cond every 10 ms until it holds or limit passes, and returns
-// how long it took.
-func gPoll(t testing.TB, limit time.Duration, what string, cond func() bool) time.Duration {
-	t.Helper()
-	start := time.Now()
-	for !cond() {
-		if time.Since(start) > limit {
-			t.Fatalf("timed out after %v waiting for %s", limit, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return time.Since(start)
-}
-
 // relayAgentMembers returns the agent names the relay's gossip lists alive
 // (not suspect) with decoded metadata.
-func relayAgentMembers(gr *itRelay) []string {
+func relayAgentMembers(gr *relaytest.Relay) []string {
 	var names []string
-	for _, m := range gr.r.Gossip().Members() {
+	for _, m := range gr.Relay.Gossip().Members() {
 		if !m.Suspect && m.MetaErr == nil && m.Meta.Role == transport.NodeRoleAgent {
 			names = append(names, m.Meta.Name)
 		}
@@ -204,8 +136,8 @@ func relayAgentMembers(gr *itRelay) []string {
 	return names
 }
 
-func routable(gr *itRelay, name string) bool {
-	for _, s := range gr.r.Scheduler().Snapshot() {
+func routable(gr *relaytest.Relay, name string) bool {
+	for _, s := range gr.Relay.Scheduler().Snapshot() {
 		if s.ID == name && !s.Health.Draining {
 			return true
 		}
@@ -215,13 +147,13 @@ func routable(gr *itRelay, name string) bool {
 
 // servedBy sends n requests (round-robin policy) and returns the agents
 // that served them; any failure is fatal.
-func servedBy(t testing.TB, gr *itRelay, n int) map[string]int {
+func servedBy(t testing.TB, gr *relaytest.Relay, n int) map[string]int {
 	t.Helper()
 	hc := &http.Client{Timeout: 30 * time.Second}
 	defer hc.CloseIdleConnections()
 	out := map[string]int{}
 	for i := range n {
-		resp, err := hc.Post(gr.url+"/v1/chat/completions", "application/json",
+		resp, err := hc.Post(gr.URL+"/v1/chat/completions", "application/json",
 			strings.NewReader(`{"model":"m1","messages":[{"role":"user","content":"hi"}]}`))
 		if err != nil {
 			t.Fatal(err)
@@ -236,21 +168,21 @@ func servedBy(t testing.TB, gr *itRelay, n int) map[string]int {
 	return out
 }
 
-func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset string) (*itRelay, []*gAgent, time.Duration) {
+func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset string) (*relaytest.Relay, []*gAgent, time.Duration) {
 	t.Helper()
 	gr := startGRelay(t, tune, preset)
 	dir := t.TempDir()
 	agents := make([]*gAgent, n)
 	for i := range agents {
 		name := fmt.Sprintf("agent-%d", i)
-		agents[i] = startGAgent(t, gr, name, newGEngine(t, name), filepath.Join(dir, name+".key"), tune, preset)
+		agents[i] = startGAgent(t, gr, name, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true}), filepath.Join(dir, name+".key"), tune, preset)
 	}
-	took := gPoll(t, 60*time.Second, "the relay to see every agent alive in gossip", func() bool {
+	took := relaytest.Within(t, 60*time.Second, "the relay to see every agent alive in gossip", func() bool {
 		return len(relayAgentMembers(gr)) == n
 	})
-	gPoll(t, 60*time.Second, "every agent to see every other member", func() bool {
+	relaytest.Within(t, 60*time.Second, "every agent to see every other member", func() bool {
 		for _, ga := range agents {
-			g := ga.a.Gossip()
+			g := ga.Agent.Gossip()
 			if g == nil || len(g.Members()) != n {
 				return false
 			}
@@ -268,11 +200,11 @@ func TestGossipDrivesRouting(t *testing.T) {
 	gr, agents, took := startGCluster(t, 5, gFastTune, transport.GossipPresetLocal)
 	t.Logf("5 agents alive with metadata at the relay %v after the first start", took)
 	want := []string{"agent-0", "agent-1", "agent-2", "agent-3", "agent-4"}
-	gPoll(t, 30*time.Second, "the relay's gossip to list agent-0..4 alive", func() bool { return slices.Equal(relayAgentMembers(gr), want) })
+	relaytest.Within(t, 30*time.Second, "the relay's gossip to list agent-0..4 alive", func() bool { return slices.Equal(relayAgentMembers(gr), want) })
 	// Agents probe each other over the relay's circuit (loopback is not a
 	// public range here, so no hole punch replaces it).
-	gPoll(t, 30*time.Second, "agent-0 to hold a relayed connection to agent-1", func() bool {
-		return transport.PathTo(agents[0].a.Host(), agents[1].a.ID()) == transport.PathRelayed
+	relaytest.Within(t, 30*time.Second, "agent-0 to hold a relayed connection to agent-1", func() bool {
+		return transport.PathTo(agents[0].Agent.Host(), agents[1].Agent.ID()) == transport.PathRelayed
 	})
 
 	t.Run("membership in the relay's metrics", func(t *testing.T) {
@@ -280,7 +212,7 @@ func TestGossipDrivesRouting(t *testing.T) {
 		// member briefly suspect at any one instant.
 		var missing []string
 		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-			resp, err := http.Get(gr.url + "/metrics")
+			resp, err := http.Get(gr.URL + "/metrics")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -306,11 +238,11 @@ func TestGossipDrivesRouting(t *testing.T) {
 
 	t.Run("metadata reaches the scheduler", func(t *testing.T) {
 		e := agents[1].e
-		e.running.Store(3)
-		e.waiting.Store(7)
-		e.kvMilli.Store(420)
-		gPoll(t, 30*time.Second, "agent-1's engine load in the relay's scheduler", func() bool {
-			for _, s := range gr.r.Scheduler().Snapshot() {
+		e.Running.Store(3)
+		e.Waiting.Store(7)
+		e.KVMilli.Store(420)
+		relaytest.Within(t, 30*time.Second, "agent-1's engine load in the relay's scheduler", func() bool {
+			for _, s := range gr.Relay.Scheduler().Snapshot() {
 				if s.ID == "agent-1" {
 					h := s.Health
 					return h.Running >= 3 && h.Waiting == 7 && h.KVCacheUsage > 0.419 && h.KVCacheUsage < 0.421
@@ -326,7 +258,7 @@ func TestGossipDrivesRouting(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer h.Close()
-		relayInfo := peer.AddrInfo{ID: gr.r.Host().ID(), Addrs: gr.r.Host().Addrs()}
+		relayInfo := peer.AddrInfo{ID: gr.Relay.Host().ID(), Addrs: gr.Relay.Host().Addrs()}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		if err := h.Connect(ctx, relayInfo); err != nil {
@@ -341,14 +273,14 @@ func TestGossipDrivesRouting(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer g.Shutdown()
-		before := gr.r.Gossip().Stats().Rejected
+		before := gr.Relay.Gossip().Stats().Rejected
 		if n, err := g.Join(relayInfo.ID); err == nil && n > 0 {
 			t.Fatalf("an outsider joined the relay's gossip (%d)", n)
 		}
-		if gr.r.Gossip().Known(h.ID()) {
+		if gr.Relay.Gossip().Known(h.ID()) {
 			t.Error("the relay lists the outsider as a member")
 		}
-		if gr.r.Gossip().Stats().Rejected <= before {
+		if gr.Relay.Gossip().Stats().Rejected <= before {
 			t.Error("the refused gossip stream was not counted")
 		}
 	})
@@ -358,10 +290,10 @@ func TestGossipDrivesRouting(t *testing.T) {
 		// silent (hung, or its probes cannot get through): only gossip can
 		// tell.
 		victim := agents[2]
-		_ = victim.a.Gossip().Shutdown()
-		took := gPoll(t, 60*time.Second, "the relay to take agent-2 out of routing", func() bool { return !routable(gr, "agent-2") })
+		_ = victim.Agent.Gossip().Shutdown()
+		took := relaytest.Within(t, 60*time.Second, "the relay to take agent-2 out of routing", func() bool { return !routable(gr, "agent-2") })
 		t.Logf("gossip-silent agent out of routing after %v (fast test timings)", took)
-		if _, ok := gr.r.Registry().Peer("agent-2"); !ok {
+		if _, ok := gr.Relay.Registry().Peer("agent-2"); !ok {
 			t.Error("the agent lost its name while its registration is open")
 		}
 		if got := servedBy(t, gr, 12); got["agent-2"] > 0 {
@@ -372,17 +304,17 @@ func TestGossipDrivesRouting(t *testing.T) {
 	t.Run("host closed without leaving, then restarted", func(t *testing.T) {
 		victim := agents[3]
 		start := time.Now()
-		if err := victim.a.Host().Close(); err != nil {
+		if err := victim.Agent.Host().Close(); err != nil {
 			t.Fatal(err)
 		}
-		took := gPoll(t, 60*time.Second, "the relay to take agent-3 out of routing", func() bool { return !routable(gr, "agent-3") })
+		took := relaytest.Within(t, 60*time.Second, "the relay to take agent-3 out of routing", func() bool { return !routable(gr, "agent-3") })
 		t.Logf("closed agent out of routing after %v", took)
 		if got := servedBy(t, gr, 12); got["agent-3"] > 0 {
 			t.Errorf("requests still went to the closed agent: %v", got)
 		}
-		gPoll(t, 60*time.Second, "the other agents' gossip to drop agent-3", func() bool {
+		relaytest.Within(t, 60*time.Second, "the other agents' gossip to drop agent-3", func() bool {
 			for _, ga := range []*gAgent{agents[0], agents[1], agents[4]} {
-				if ga.a.Gossip().Known(victim.a.ID()) {
+				if ga.Agent.Gossip().Known(victim.Agent.ID()) {
 					return false
 				}
 			}
@@ -390,17 +322,17 @@ func TestGossipDrivesRouting(t *testing.T) {
 		})
 		t.Logf("closed agent dropped by every other agent's gossip after %v", time.Since(start))
 		stopAt := time.Now()
-		victim.stop()
+		victim.Stop()
 		t.Logf("stopping the closed agent took %v", time.Since(stopAt))
 
 		// Restart with the same identity: it joins again, gossip sees it
 		// alive, and it takes requests.
 		agents[3] = startGAgent(t, gr, "agent-3", victim.e, victim.identity, gFastTune, transport.GossipPresetLocal)
-		if agents[3].a.ID() != victim.a.ID() {
+		if agents[3].Agent.ID() != victim.Agent.ID() {
 			t.Fatal("restarted agent has another peer ID")
 		}
-		back := gPoll(t, 60*time.Second, "the restarted agent a gossip member at the relay and routable", func() bool {
-			return gr.r.Gossip().Known(victim.a.ID()) && routable(gr, "agent-3")
+		back := relaytest.Within(t, 60*time.Second, "the restarted agent a gossip member at the relay and routable", func() bool {
+			return gr.Relay.Gossip().Known(victim.Agent.ID()) && routable(gr, "agent-3")
 		})
 		t.Logf("restarted agent a gossip member and routable after %v", back)
 		if got := servedBy(t, gr, 12); got["agent-3"] == 0 {
@@ -413,10 +345,10 @@ func TestGossipDrivesRouting(t *testing.T) {
 		start := time.Now()
 		stopped := make(chan struct{})
 		go func() {
-			leaver.stop()
+			leaver.Stop()
 			close(stopped)
 		}()
-		took := gPoll(t, 30*time.Second, "the relay to stop routing to the leaving agent", func() bool { return !routable(gr, "agent-4") })
+		took := relaytest.Within(t, 30*time.Second, "the relay to stop routing to the leaving agent", func() bool { return !routable(gr, "agent-4") })
 		t.Logf("leaving agent out of routing after %v", took)
 		<-stopped
 		t.Logf("agent stopped (drain, gossip leave, registration closed) after %v", time.Since(start))
@@ -424,14 +356,14 @@ func TestGossipDrivesRouting(t *testing.T) {
 			t.Errorf("requests went to an agent that left: %v", got)
 		}
 		for _, ga := range []*gAgent{agents[0], agents[1]} {
-			gPoll(t, 30*time.Second, "the others to drop the leaver", func() bool { return !ga.a.Gossip().Known(leaver.a.ID()) })
+			relaytest.Within(t, 30*time.Second, "the others to drop the leaver", func() bool { return !ga.Agent.Gossip().Known(leaver.Agent.ID()) })
 		}
 	})
 
 	if os.Getenv("COMPUTEFLUX_GOSSIP_LOG_STATS") != "" {
 		for _, ga := range agents {
-			if g := ga.a.Gossip(); g != nil {
-				t.Logf("%s gossip stats %+v", ga.name, g.Stats())
+			if g := ga.Agent.Gossip(); g != nil {
+				t.Logf("%s gossip stats %+v", ga.Name, g.Stats())
 			}
 		}
 	}
@@ -440,11 +372,11 @@ func TestGossipDrivesRouting(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			ga.stop()
+			ga.Stop()
 		}()
 	}
 	wg.Wait()
-	gr.stop()
+	gr.Stop()
 }
 
 // TestStaleEngineLoadIsUnknownAtTheRelay: an engine whose /metrics breaks
@@ -456,33 +388,33 @@ func TestGossipDrivesRouting(t *testing.T) {
 func TestStaleEngineLoadIsUnknownAtTheRelay(t *testing.T) {
 	t.Parallel() // waits on gossip timers, in its own relay and agent
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
-	e := newGEngine(t, "agent-0")
-	e.waiting.Store(7)
-	e.kvMilli.Store(990)
+	e := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "agent-0", VLLMMetrics: true})
+	e.Waiting.Store(7)
+	e.KVMilli.Store(990)
 	ga := startGAgent(t, gr, "agent-0", e, filepath.Join(t.TempDir(), "a.key"), gFastTune, transport.GossipPresetLocal)
 	health := func() scheduler.Health {
-		for _, s := range gr.r.Scheduler().Snapshot() {
+		for _, s := range gr.Relay.Scheduler().Snapshot() {
 			if s.ID == "agent-0" {
 				return s.Health
 			}
 		}
 		return scheduler.Health{}
 	}
-	gPoll(t, 30*time.Second, "the engine's load in the relay's scheduler", func() bool {
+	relaytest.Within(t, 30*time.Second, "the engine's load in the relay's scheduler", func() bool {
 		h := health()
 		return h.Waiting == 7 && h.KVCacheUsage > 0.98
 	})
-	e.metricsBroken.Store(true)
-	took := gPoll(t, 30*time.Second, "the stale load to be dropped at the relay", func() bool {
+	e.MetricsBroken.Store(true)
+	took := relaytest.Within(t, 30*time.Second, "the stale load to be dropped at the relay", func() bool {
 		h := health()
 		return h.Waiting == 0 && h.KVCacheUsage == 0
 	})
 	t.Logf("stale load dropped at the relay %v after /metrics broke (scrape every 100 ms, stale after 3)", took)
-	e.metricsBroken.Store(false)
-	gPoll(t, 30*time.Second, "the engine's load back in the relay's scheduler", func() bool {
+	e.MetricsBroken.Store(false)
+	relaytest.Within(t, 30*time.Second, "the engine's load back in the relay's scheduler", func() bool {
 		h := health()
 		return h.Waiting == 7 && h.KVCacheUsage > 0.98
 	})
-	ga.stop()
-	gr.stop()
+	ga.Stop()
+	gr.Stop()
 }

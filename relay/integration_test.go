@@ -7,12 +7,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
-	"net/http/httptest"
 	"path/filepath"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -22,6 +19,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/poll"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -35,131 +33,28 @@ const (
 	itKey   = "sk-integration"
 )
 
-// itEngine is an OpenAI-compatible httptest engine. Streams send their
-// first event, then wait for release (if set) before finishing.
-type itEngine struct {
-	name   string
-	srv    *httptest.Server
-	hits   atomic.Int64
-	gate   atomic.Pointer[streamGate] // nil: streams run without waiting
-	models []string
-}
-
-// streamGate holds a stream after its first event until release closes;
-// done closes when the handler returns.
-type streamGate struct{ release, done chan struct{} }
-
-func newITEngine(t testing.TB, name string, models ...string) *itEngine {
-	e := &itEngine{name: name, models: models}
-	e.srv = httptest.NewServer(http.HandlerFunc(e.serve))
-	t.Cleanup(e.srv.Close)
-	return e
-}
-
-func (e *itEngine) serve(w http.ResponseWriter, r *http.Request) {
-	if r.URL.Path == "/v1/models" {
-		var data []string
-		for _, m := range e.models {
-			data = append(data, fmt.Sprintf(`{"id":%q,"object":"model","owned_by":"test"}`, m))
-		}
-		w.Header().Set("Content-Type", "application/json")
-		fmt.Fprintf(w, `{"object":"list","data":[%s]}`, strings.Join(data, ","))
-		return
-	}
-	if !strings.HasPrefix(r.URL.Path, "/v1/") {
-		http.NotFound(w, r) // e.g. the agent looking for engine metrics
-		return
-	}
-	var req struct {
-		Model  string `json:"model"`
-		Stream bool   `json:"stream"`
-	}
-	if json.NewDecoder(r.Body).Decode(&req) == nil {
-		// A body that is not JSON is no request: the agent's probe for
-		// optional APIs sends one (and takes this 200 for no route).
-		e.hits.Add(1)
-	}
-	if !req.Stream {
-		w.Header().Set("Content-Type", "application/json")
-		fmt.Fprintf(w, `{"id":"x","object":"chat.completion","model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":"hello from %s"},"finish_reason":"stop"}]}`, req.Model, e.name)
-		return
-	}
-	w.Header().Set("Content-Type", "text/event-stream")
-	fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hello\"}}]}\n\n")
-	w.(http.Flusher).Flush()
-	if g := e.gate.Load(); g != nil {
-		defer close(g.done)
-		select {
-		case <-g.release:
-		case <-r.Context().Done():
-			return
-		}
-	}
-	fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\" from %s\"}}]}\n\ndata: [DONE]\n\n", e.name)
-}
-
-// itRelay is a relay serving HTTP on a loopback listener.
-type itRelay struct {
-	r      *relay.Relay
-	url    string
-	cancel context.CancelFunc
-	done   chan error
-}
-
-func startRelay(t testing.TB, identity string, p2pAddr string) *itRelay {
+func startRelay(t testing.TB, identity string, p2pAddr string) *relaytest.Relay {
 	t.Helper()
 	return startRelayWith(t, identity, p2pAddr, zerolog.New(io.Discard))
 }
 
-func startRelayLogger(t testing.TB, log zerolog.Logger) *itRelay {
+func startRelayLogger(t testing.TB, log zerolog.Logger) *relaytest.Relay {
 	t.Helper()
 	return startRelayWith(t, "", "", log)
 }
 
-func startRelayWith(t testing.TB, identity string, p2pAddr string, log zerolog.Logger) *itRelay {
+func startRelayWith(t testing.TB, identity string, p2pAddr string, log zerolog.Logger) *relaytest.Relay {
 	t.Helper()
 	if p2pAddr == "" {
 		p2pAddr = "/ip4/127.0.0.1/udp/0/quic-v1"
 	}
-	return serveRelay(t, relay.Config{
+	return relaytest.ServeRelay(t, relay.Config{
 		P2PListen:    []string{p2pAddr},
 		IdentityFile: identity,
 		Token:        []byte(itToken),
 		APIKeys:      []string{itKey},
 		Logger:       log,
 	})
-}
-
-// serveRelay builds a relay from cfg and serves its HTTP API on a loopback
-// port until the test ends (or stop is called).
-func serveRelay(t testing.TB, cfg relay.Config) *itRelay {
-	t.Helper()
-	r, err := relay.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	ir := &itRelay{r: r, url: "http://" + ln.Addr().String(), cancel: cancel, done: make(chan error, 1)}
-	go func() { ir.done <- r.Serve(ctx, ln) }()
-	t.Cleanup(ir.stop)
-	return ir
-}
-
-func (ir *itRelay) stop() {
-	if ir.cancel == nil {
-		return
-	}
-	ir.cancel()
-	<-ir.done
-	ir.cancel = nil
-}
-
-func (ir *itRelay) info() peer.AddrInfo {
-	return peer.AddrInfo{ID: ir.r.Host().ID(), Addrs: ir.r.Host().Addrs()}
 }
 
 // peerIDFor returns a distinct fake peer ID (for relays without libp2p).
@@ -186,11 +81,11 @@ var waitFor = poll.Eventually
 // neither draining nor dead, so requests may be routed to it. /v1/models
 // alone does not show that when several agents serve the same models: it
 // lists a model as soon as one of them has joined.
-func waitAgents(t testing.TB, rl *itRelay, names ...string) {
+func waitAgents(t testing.TB, rl *relaytest.Relay, names ...string) {
 	t.Helper()
 	waitFor(t, "agents "+strings.Join(names, ", ")+" routable", func() bool {
 		joined := map[string]relay.AgentInfo{}
-		for _, a := range rl.r.Registry().Agents() {
+		for _, a := range rl.Relay.Registry().Agents() {
 			joined[a.Name] = a
 		}
 		for _, n := range names {
@@ -260,20 +155,20 @@ func TestIntegrationRouting(t *testing.T) {
 	rl := startRelay(t, "", "")
 	// a, b, c are package agent Agents; d is a bare transport-level agent
 	// whose host the test can close without any goodbye.
-	engines := map[string]*itEngine{}
-	agents := map[string]*realAgent{}
+	engines := map[string]*relaytest.FakeEngine{}
+	agents := map[string]*relaytest.Agent{}
 	for _, n := range []string{"a", "b", "c", "d"} {
 		models := []string{"m1"}
 		if n != "b" {
 			models = append(models, "only-"+n)
 		}
-		engines[n] = newITEngine(t, n, models...)
+		engines[n] = relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n, Models: models})
 		if n != "d" {
-			agents[n] = startRealAgent(t, rl, n, engines[n])
+			agents[n] = startRealAgent(t, rl, n, engines[n].URL())
 		}
 	}
 	d := startAgent(t, rl, "d", engines["d"])
-	c := newClient(t, rl.url)
+	c := newClient(t, rl.URL)
 	waitAgents(t, rl, "a", "b", "c", "d")
 
 	t.Run("sessions spread", func(t *testing.T) {
@@ -308,9 +203,8 @@ func TestIntegrationRouting(t *testing.T) {
 	})
 	t.Run("stream first event before the engine finishes", func(t *testing.T) {
 		e := engines["a"]
-		g := &streamGate{release: make(chan struct{}), done: make(chan struct{})}
-		e.gate.Store(g)
-		defer e.gate.Store(nil)
+		g := e.Hold()
+		defer e.Unhold()
 		resp, err := c.post("/v1/chat/completions", `{"model":"only-a","stream":true}`)
 		if err != nil {
 			t.Fatal(err)
@@ -322,11 +216,11 @@ func TestIntegrationRouting(t *testing.T) {
 			t.Fatalf("first line %q %v from %q", line, err, resp.Header.Get(relay.HeaderAgent))
 		}
 		select {
-		case <-g.done:
+		case <-g.Done():
 			t.Fatal("engine finished before the first event reached the client")
 		default:
 		}
-		close(g.release)
+		g.Release()
 		rest, _ := io.ReadAll(br)
 		if !strings.Contains(string(rest), "[DONE]") {
 			t.Errorf("rest %q", rest)
@@ -334,9 +228,8 @@ func TestIntegrationRouting(t *testing.T) {
 	})
 	t.Run("client disconnect cancels the engine's request", func(t *testing.T) {
 		e := engines["a"]
-		g := &streamGate{release: make(chan struct{}), done: make(chan struct{})}
-		e.gate.Store(g)
-		defer e.gate.Store(nil)
+		g := e.Hold()
+		defer e.Unhold()
 		ctx, cancel := context.WithCancel(context.Background())
 		req, _ := http.NewRequestWithContext(ctx, "POST", c.url+"/v1/chat/completions", strings.NewReader(`{"model":"only-a","stream":true}`))
 		req.Header.Set("Authorization", "Bearer "+itKey)
@@ -350,9 +243,9 @@ func TestIntegrationRouting(t *testing.T) {
 		cancel()
 		resp.Body.Close()
 		select {
-		case <-g.done: // the handler returned without release: its request was cancelled
+		case <-g.Done(): // the handler returned without release: its request was cancelled
 		case <-time.After(30 * time.Second):
-			close(g.release)
+			g.Release()
 			t.Fatal("the engine's request outlived the client")
 		}
 	})
@@ -372,7 +265,7 @@ func TestIntegrationRouting(t *testing.T) {
 		waitFor(t, "only-d dropped from /v1/models", func() bool {
 			return strings.Join(c.models(), ",") == "m1,only-a,only-c"
 		})
-		if _, ok := rl.r.Registry().Peer("d"); ok {
+		if _, ok := rl.Relay.Registry().Peer("d"); ok {
 			t.Error("d still registered")
 		}
 		if status, _ := c.chat("only-d", "x"); status != 404 {
@@ -382,7 +275,7 @@ func TestIntegrationRouting(t *testing.T) {
 	t.Run("agent stopped mid-run", func(t *testing.T) {
 		// c drains, leaves and closes its host while requests keep coming.
 		stopped := make(chan struct{})
-		go func() { agents["c"].stop(); close(stopped) }()
+		go func() { agents["c"].Stop(); close(stopped) }()
 		for i := 0; ; i++ {
 			status, agent := c.chat("m1", fmt.Sprintf("stop-%d", i%12))
 			if status != 200 {
@@ -410,35 +303,35 @@ func TestIntegrationRouting(t *testing.T) {
 
 func TestIntegrationJoinSecurity(t *testing.T) {
 	rl := startRelay(t, "", "")
-	e := newITEngine(t, "a", "m1")
-	a := startRealAgent(t, rl, "a", e)
-	c := newClient(t, rl.url)
+	e := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "a"})
+	a := startRealAgent(t, rl, "a", e.URL())
+	c := newClient(t, rl.URL)
 	waitFor(t, "agent a routable", func() bool { return len(c.models()) == 1 })
 
 	t.Run("wrong token cannot join", func(t *testing.T) {
 		h := newHost(t)
-		if err := h.Connect(context.Background(), rl.info()); err != nil {
+		if err := h.Connect(context.Background(), rl.Info()); err != nil {
 			t.Fatal(err)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
-		m, err := transport.Join(ctx, h, rl.r.Host().ID(), []byte("not-the-token"), transport.JoinInfo{Name: "evil", Models: []string{"evil"}})
+		m, err := transport.Join(ctx, h, rl.Relay.Host().ID(), []byte("not-the-token"), transport.JoinInfo{Name: "evil", Models: []string{"evil"}})
 		if err == nil {
 			m.Close()
 			t.Fatal("joined with a wrong token")
 		}
-		if _, ok := rl.r.Registry().Peer("evil"); ok {
+		if _, ok := rl.Relay.Registry().Peer("evil"); ok {
 			t.Error("registry holds the intruder")
 		}
 	})
 	t.Run("taken name", func(t *testing.T) {
 		h := newHost(t)
-		if err := h.Connect(context.Background(), rl.info()); err != nil {
+		if err := h.Connect(context.Background(), rl.Info()); err != nil {
 			t.Fatal(err)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
-		m, err := transport.Join(ctx, h, rl.r.Host().ID(), []byte(itToken), transport.JoinInfo{Name: "a", Models: []string{"stolen"}})
+		m, err := transport.Join(ctx, h, rl.Relay.Host().ID(), []byte(itToken), transport.JoinInfo{Name: "a", Models: []string{"stolen"}})
 		if err == nil {
 			m.Close()
 			t.Fatal("a second peer took the name a")
@@ -446,7 +339,7 @@ func TestIntegrationJoinSecurity(t *testing.T) {
 		if !errors.Is(err, transport.ErrRejected) {
 			t.Errorf("err = %v, want a rejection", err)
 		}
-		if p, _ := rl.r.Registry().Peer("a"); p != a.id() {
+		if p, _ := rl.Relay.Registry().Peer("a"); p != a.ID() {
 			t.Errorf("name a bound to %s", p)
 		}
 		if got := strings.Join(c.models(), ","); got != "m1" {
@@ -455,21 +348,21 @@ func TestIntegrationJoinSecurity(t *testing.T) {
 	})
 	t.Run("agent refuses streams from a peer that is not its relay", func(t *testing.T) {
 		// The agent's address, as the relay sees its connection.
-		conns := rl.r.Host().Network().ConnsToPeer(a.id())
+		conns := rl.Relay.Host().Network().ConnsToPeer(a.ID())
 		if len(conns) == 0 {
 			t.Fatal("relay has no connection to the agent")
 		}
 		h := newHost(t)
-		if err := h.Connect(context.Background(), peer.AddrInfo{ID: a.id(), Addrs: []multiaddr.Multiaddr{conns[0].RemoteMultiaddr()}}); err != nil {
+		if err := h.Connect(context.Background(), peer.AddrInfo{ID: a.ID(), Addrs: []multiaddr.Multiaddr{conns[0].RemoteMultiaddr()}}); err != nil {
 			t.Fatal(err)
 		}
 		hc := &http.Client{Transport: transport.NewRoundTripper(h), Timeout: 20 * time.Second}
-		resp, err := hc.Post("http://"+a.id().String()+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"m1"}`))
+		resp, err := hc.Post("http://"+a.ID().String()+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"m1"}`))
 		if err == nil {
 			resp.Body.Close()
 			t.Fatalf("a stranger got %d from the agent", resp.StatusCode)
 		}
-		if n := e.hits.Load(); n != 0 {
+		if n := e.Hits.Load(); n != 0 {
 			t.Errorf("engine saw %d requests", n)
 		}
 	})
@@ -478,32 +371,32 @@ func TestIntegrationJoinSecurity(t *testing.T) {
 func TestIntegrationRelayRestart(t *testing.T) {
 	identity := filepath.Join(t.TempDir(), "relay.key")
 	rl := startRelay(t, identity, "")
-	id := rl.r.Host().ID()
-	port, err := rl.r.Host().Addrs()[0].ValueForProtocol(multiaddr.P_UDP)
+	id := rl.Relay.Host().ID()
+	port, err := rl.Relay.Host().Addrs()[0].ValueForProtocol(multiaddr.P_UDP)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, n := range []string{"a", "b"} {
-		startRealAgent(t, rl, n, newITEngine(t, n, "m1"))
+		startRealAgent(t, rl, n, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n}).URL())
 	}
-	c := newClient(t, rl.url)
-	waitFor(t, "agents joined", func() bool { return len(c.models()) == 1 && len(rl.r.Registry().Agents()) == 2 })
+	c := newClient(t, rl.URL)
+	waitFor(t, "agents joined", func() bool { return len(c.models()) == 1 && len(rl.Relay.Registry().Agents()) == 2 })
 	if status, _ := c.chat("m1", "before"); status != 200 {
 		t.Fatalf("before restart: %d", status)
 	}
 
-	rl.stop()
+	rl.Stop()
 	rl2 := startRelay(t, identity, "/ip4/127.0.0.1/udp/"+port+"/quic-v1")
-	if rl2.r.Host().ID() != id {
-		t.Fatalf("restarted relay has peer ID %s, was %s", rl2.r.Host().ID(), id)
+	if rl2.Relay.Host().ID() != id {
+		t.Fatalf("restarted relay has peer ID %s, was %s", rl2.Relay.Host().ID(), id)
 	}
-	waitFor(t, "agents joined the restarted relay", func() bool { return len(rl2.r.Registry().Agents()) == 2 })
-	for _, ag := range rl2.r.Registry().Agents() {
+	waitFor(t, "agents joined the restarted relay", func() bool { return len(rl2.Relay.Registry().Agents()) == 2 })
+	for _, ag := range rl2.Relay.Registry().Agents() {
 		if len(ag.Models) == 0 {
 			t.Errorf("agent %s rejoined without models", ag.Name)
 		}
 	}
-	c2 := newClient(t, rl2.url)
+	c2 := newClient(t, rl2.URL)
 	for i := 0; i < 5; i++ {
 		if status, agent := c2.chat("m1", "after"); status != 200 || agent == "" {
 			t.Fatalf("after restart: %d from %q", status, agent)
@@ -514,20 +407,15 @@ func TestIntegrationRelayRestart(t *testing.T) {
 func TestIntegrationErrors(t *testing.T) {
 	t.Parallel() // waits on agents over QUIC, in its own relay
 	rl := startRelay(t, "", "")
-	good := newITEngine(t, "good", "m1")
-	bad := &itEngine{name: "bad", models: []string{"m1", "m-bad"}}
-	bad.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path == "/v1/models" {
-			bad.serve(w, r)
-			return
-		}
-		bad.hits.Add(1)
+	good := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "good"})
+	bad := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "bad", Models: []string{"m1", "m-bad"}})
+	bad.SetAnswer(func(w http.ResponseWriter, r *http.Request) {
+		bad.Hits.Add(1)
 		http.Error(w, `{"error":{"message":"engine exploded"}}`, 500)
-	}))
-	t.Cleanup(bad.srv.Close)
-	startRealAgent(t, rl, "good", good)
+	})
+	startRealAgent(t, rl, "good", good.URL())
 	ab := startAgent(t, rl, "bad", bad) // a bare agent, so the test can send a draining update
-	c := newClient(t, rl.url)
+	c := newClient(t, rl.URL)
 	// Both agents: m1 and m-bad are listed as soon as bad alone has joined,
 	// and m1 then has nowhere to go but bad.
 	waitAgents(t, rl, "good", "bad")

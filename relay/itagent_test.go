@@ -12,6 +12,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/peer"
 
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/transport"
 )
 
@@ -29,21 +30,21 @@ type itAgent struct {
 	m  *transport.Membership
 }
 
-func startAgent(t testing.TB, rl *itRelay, name string, e *itEngine) *itAgent {
+func startAgent(t testing.TB, rl *relaytest.Relay, name string, e *relaytest.FakeEngine) *itAgent {
 	t.Helper()
 	h := newHost(t)
-	u, _ := url.Parse(e.srv.URL)
+	u, _ := url.Parse(e.URL())
 	proxy := httputil.NewSingleHostReverseProxy(u)
 	proxy.FlushInterval = -1
 	tr := &http.Transport{MaxIdleConnsPerHost: 64}
 	proxy.Transport = tr
-	relayInfo := rl.info()
+	relayInfo := rl.Info()
 	srv, err := transport.ServeHTTP(h, proxy, func(p peer.ID) bool { return p == relayInfo.ID })
 	if err != nil {
 		t.Fatal(err)
 	}
 	a := &itAgent{h: h, srv: srv, stopc: make(chan struct{})}
-	info := transport.JoinInfo{Name: name, Models: e.models}
+	info := transport.JoinInfo{Name: name, Models: e.Models}
 	if err := a.join(relayInfo, info); err != nil {
 		t.Fatal(err)
 	}

@@ -30,22 +30,22 @@ import (
 
 // joinHost joins h to the relay as name serving model m1, and keeps the
 // registration until the test ends.
-func joinHost(t *testing.T, rl *itRelay, h host.Host, name string) {
+func joinHost(t *testing.T, rl *relaytest.Relay, h host.Host, name string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := h.Connect(ctx, rl.info()); err != nil {
+	if err := h.Connect(ctx, rl.Info()); err != nil {
 		t.Fatal(err)
 	}
-	m, err := transport.Join(ctx, h, rl.info().ID, []byte(itToken), joinInfo(name))
+	m, err := transport.Join(ctx, h, rl.Info().ID, []byte(itToken), joinInfo(name))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = m.Close() })
 }
 
-func agentHealth(rl *itRelay, name string) (scheduler.Health, bool) {
-	for _, st := range rl.r.Scheduler().Snapshot() {
+func agentHealth(rl *relaytest.Relay, name string) (scheduler.Health, bool) {
+	for _, st := range rl.Relay.Scheduler().Snapshot() {
 		if st.ID == name {
 			return st.Health, true
 		}
@@ -58,7 +58,7 @@ func agentHealth(rl *itRelay, name string) (scheduler.Health, bool) {
 // milliseconds, not the engine's time-to-first-byte bound: the attempt is
 // retried on another agent and the mute one turns suspect at once.
 func TestUnacknowledgedRequestRetriedElsewhere(t *testing.T) {
-	rl := serveRelay(t, relay.Config{
+	rl := relaytest.ServeRelay(t, relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
 		Token:     []byte(itToken),
 		APIKeys:   []string{itKey},
@@ -66,7 +66,7 @@ func TestUnacknowledgedRequestRetriedElsewhere(t *testing.T) {
 		Policy: scheduler.PolicyRoundRobin,
 		Logger: zerolog.New(io.Discard),
 	})
-	startRealAgent(t, rl, "good", newITEngine(t, "good", "m1"))
+	startRealAgent(t, rl, "good", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "good"}).URL())
 	// No ping service either: probes go unanswered, as a frozen process's.
 	mute := newHostOpts(t, libp2p.Ping(false))
 	var swallowed atomic.Int64
@@ -77,7 +77,7 @@ func TestUnacknowledgedRequestRetriedElsewhere(t *testing.T) {
 	joinHost(t, rl, mute, "mute")
 	waitAgents(t, rl, "good", "mute")
 
-	c := newClient(t, rl.url)
+	c := newClient(t, rl.URL)
 	var longest time.Duration
 	for i := range 6 {
 		start := time.Now()
@@ -129,7 +129,7 @@ func TestSilentAgentEndsStreamWithErrorEvent(t *testing.T) {
 	h := newHostOpts(t, libp2p.Ping(false))
 	release := make(chan struct{})
 	t.Cleanup(func() { close(release) })
-	relayID := rl.info().ID
+	relayID := rl.Info().ID
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		_, _ = io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n")
@@ -147,7 +147,7 @@ func TestSilentAgentEndsStreamWithErrorEvent(t *testing.T) {
 	joinHost(t, rl, h, "frozen")
 	waitAgents(t, rl, "frozen")
 
-	c := newClient(t, rl.url)
+	c := newClient(t, rl.URL)
 	resp, err := c.post("/v1/chat/completions", `{"model":"m1","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
 	if err != nil {
 		t.Fatal(err)
@@ -193,7 +193,7 @@ func TestStreamingAgentWithoutEchoIsNotSilent(t *testing.T) {
 	t.Parallel() // waits on agents over QUIC, in its own relay
 	rl := startRelayLogger(t, zerolog.New(io.Discard))
 	h := newHostOpts(t, libp2p.Ping(false)) // no echo, ever
-	relayID := rl.info().ID
+	relayID := rl.Info().ID
 	const events = 15 // 3 s at one event per 200 ms, twice silentAfter
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
@@ -218,7 +218,7 @@ func TestStreamingAgentWithoutEchoIsNotSilent(t *testing.T) {
 	joinHost(t, rl, h, "streaming")
 	waitAgents(t, rl, "streaming")
 
-	c := newClient(t, rl.url)
+	c := newClient(t, rl.URL)
 	resp, err := c.post("/v1/chat/completions", `{"model":"m1","stream":true,"messages":[{"role":"user","content":"hi"}]}`)
 	if err != nil {
 		t.Fatal(err)

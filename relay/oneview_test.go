@@ -158,7 +158,7 @@ func TestOperatorDrainSurvivesSilence(t *testing.T) {
 	h := newHostOpts(t, libp2p.Ping(false))
 	joinHost(t, rl, h, "frozen")
 	waitAgents(t, rl, "frozen")
-	if err := rl.r.SetAdmin("frozen", "drain", 0); err != nil {
+	if err := rl.Relay.SetAdmin("frozen", "drain", 0); err != nil {
 		t.Fatal(err)
 	}
 	health := func() scheduler.Health {
@@ -180,12 +180,12 @@ func TestOperatorDrainSurvivesSilence(t *testing.T) {
 	if hl := health(); !hl.Draining {
 		t.Fatalf("health %+v once it answered again: the operator's drain was lost", hl)
 	}
-	for _, row := range rl.r.Table() {
+	for _, row := range rl.Relay.Table() {
 		if row.Name == "frozen" && (row.State != "draining" || !row.Draining) {
 			t.Fatalf("admin row %+v, want draining", row)
 		}
 	}
-	if err := rl.r.SetAdmin("frozen", "undrain", 0); err != nil {
+	if err := rl.Relay.SetAdmin("frozen", "undrain", 0); err != nil {
 		t.Fatal(err)
 	}
 	if health().Draining {

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
@@ -27,13 +28,13 @@ func TestOpenAINodeClient(t *testing.T) {
 	// A real relay over QUIC with two agents in front of OpenAI-like engines.
 	rl := startRelay(t, "", "")
 	for _, n := range []string{"a", "b"} {
-		startRealAgent(t, rl, n, newITEngine(t, n, "m1"))
+		startRealAgent(t, rl, n, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n}).URL())
 	}
 	waitFor(t, "agents joined", func() bool {
-		ags := rl.r.Registry().Agents()
+		ags := rl.Relay.Registry().Agents()
 		return len(ags) == 2 && len(ags[0].Models) == 1 && len(ags[1].Models) == 1
 	})
-	out := runNodeScript(ctx, t, "openai_client.mjs", dir, "RELAY_URL="+rl.url, "API_KEY="+itKey, "MODEL=m1")
+	out := runNodeScript(ctx, t, "openai_client.mjs", dir, "RELAY_URL="+rl.URL, "API_KEY="+itKey, "MODEL=m1")
 	var got struct {
 		Content, Agent, Streamed string
 		Chunks                   int

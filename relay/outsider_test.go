@@ -14,6 +14,7 @@ import (
 	circuitclient "github.com/libp2p/go-libp2p/p2p/protocol/circuitv2/client"
 	"github.com/libp2p/go-libp2p/p2p/protocol/identify"
 
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/transport"
 )
 
@@ -45,13 +46,13 @@ func dialCircuit(ctx context.Context, h host.Host, ri peer.AddrInfo, target peer
 func TestOutsidersGetNoCircuits(t *testing.T) {
 	t.Parallel() // waits on reconnects, in its own relay and agents
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
-	v := startGAgent(t, gr, "victim", newGEngine(t, "victim"), filepath.Join(t.TempDir(), "victim.key"), gFastTune, transport.GossipPresetLocal)
-	gPoll(t, 30*time.Second, "the joined agent's reservation", func() bool {
-		n := v.a.NAT()
+	v := startGAgent(t, gr, "victim", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "victim", VLLMMetrics: true}), filepath.Join(t.TempDir(), "victim.key"), gFastTune, transport.GossipPresetLocal)
+	relaytest.Within(t, 30*time.Second, "the joined agent's reservation", func() bool {
+		n := v.Agent.NAT()
 		return n != nil && n.Stats().Reservations == 1
 	})
-	ri := gr.info()
-	before := gr.r.CircuitStats()
+	ri := gr.Info()
+	before := gr.Relay.CircuitStats()
 	o1, o2 := outsiderHost(t), outsiderHost(t)
 	for round := range 3 {
 		for _, o := range []host.Host{o1, o2} {
@@ -67,7 +68,7 @@ func TestOutsidersGetNoCircuits(t *testing.T) {
 				t.Errorf("round %d: an outsider got a reservation", round)
 			}
 		}
-		if err := dialCircuit(ctx, o1, ri, v.a.ID()); err == nil {
+		if err := dialCircuit(ctx, o1, ri, v.Agent.ID()); err == nil {
 			t.Errorf("round %d: an outsider opened a circuit to a joined agent", round)
 		}
 		if err := dialCircuit(ctx, o1, ri, o2.ID()); err == nil {
@@ -75,22 +76,22 @@ func TestOutsidersGetNoCircuits(t *testing.T) {
 		}
 		cancel()
 	}
-	mid := gr.r.CircuitStats()
+	mid := gr.Relay.CircuitStats()
 
 	// A token holder reaches the joined agent through the relay, and the
 	// agent answers it (the joined peer is a gossip member), but not an
 	// outsider, which holds no reservation.
 	ml := newMallory(t, gr)
-	gPoll(t, 30*time.Second, "the agent to know the joined peer", func() bool { return v.a.Gossip().Known(ml.h.ID()) })
+	relaytest.Within(t, 30*time.Second, "the agent to know the joined peer", func() bool { return v.Agent.Gossip().Known(ml.h.ID()) })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := dialCircuit(ctx, ml.h, ri, v.a.ID()); err != nil {
+	if err := dialCircuit(ctx, ml.h, ri, v.Agent.ID()); err != nil {
 		t.Errorf("a joined peer could not reach a joined agent through the relay: %v", err)
 	}
 	if err := dialCircuit(ctx, ml.h, ri, o2.ID()); err == nil {
 		t.Error("a joined peer opened a circuit to an outsider")
 	}
-	after := gr.r.CircuitStats()
+	after := gr.Relay.CircuitStats()
 	t.Logf("outsiders, 3 rounds of reconnects: reservations granted %d refused %d, circuits opened %d refused %d, bytes relayed %d; then a joined peer: circuits opened %d, bytes %d",
 		mid.ReservationsGranted-before.ReservationsGranted, mid.ReservationsRefused-before.ReservationsRefused,
 		mid.CircuitsOpened-before.CircuitsOpened, mid.CircuitsRefused-before.CircuitsRefused, mid.Bytes-before.Bytes,
@@ -113,9 +114,9 @@ func TestOutsidersGetNoCircuits(t *testing.T) {
 // get only addresses they could use (no loopback or LAN ones).
 func TestAgentTellsStrangersNothing(t *testing.T) {
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
-	v := startGAgent(t, gr, "victim", newGEngine(t, "victim"), filepath.Join(t.TempDir(), "victim.key"), gFastTune, transport.GossipPresetLocal)
-	gPoll(t, 30*time.Second, "the agent joined", func() bool { return gr.r.Registry().IsJoined(v.a.ID()) })
-	h := v.a.Host()
+	v := startGAgent(t, gr, "victim", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "victim", VLLMMetrics: true}), filepath.Join(t.TempDir(), "victim.key"), gFastTune, transport.GossipPresetLocal)
+	relaytest.Within(t, 30*time.Second, "the agent joined", func() bool { return gr.Relay.Registry().IsJoined(v.Agent.ID()) })
+	h := v.Agent.Host()
 	listen := h.Network().ListenAddresses()
 	o := outsiderHost(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -123,22 +124,22 @@ func TestAgentTellsStrangersNothing(t *testing.T) {
 	// QUIC completes the handshake on the dialer's side before the agent
 	// checks the peer and closes the connection: what counts is that it
 	// does not stay and that identify never answers.
-	_ = o.Connect(ctx, peer.AddrInfo{ID: v.a.ID(), Addrs: listen})
-	gPoll(t, 5*time.Second, "the agent to drop the stranger's connection", func() bool {
-		return o.Network().Connectedness(v.a.ID()) != network.Connected
+	_ = o.Connect(ctx, peer.AddrInfo{ID: v.Agent.ID(), Addrs: listen})
+	relaytest.Within(t, 5*time.Second, "the agent to drop the stranger's connection", func() bool {
+		return o.Network().Connectedness(v.Agent.ID()) != network.Connected
 	})
-	if _, err := o.Network().NewStream(network.WithNoDial(ctx, "test"), v.a.ID()); err == nil {
+	if _, err := o.Network().NewStream(network.WithNoDial(ctx, "test"), v.Agent.ID()); err == nil {
 		t.Error("a stranger holds a connection to the agent")
 	}
-	if protos, _ := o.Peerstore().GetProtocols(v.a.ID()); len(protos) != 0 {
+	if protos, _ := o.Peerstore().GetProtocols(v.Agent.ID()); len(protos) != 0 {
 		t.Errorf("a stranger learned the agent's protocols: %v", protos)
 	}
-	if addrs := o.Peerstore().Addrs(v.a.ID()); len(addrs) > len(listen) {
+	if addrs := o.Peerstore().Addrs(v.Agent.ID()); len(addrs) > len(listen) {
 		t.Errorf("a stranger learned addresses: %v", addrs)
 	}
 	// What the relay learned through identify.
-	gPoll(t, 10*time.Second, "identify with the relay", func() bool {
-		_, err := gr.r.Host().Peerstore().SupportsProtocols(v.a.ID(), identify.ID)
+	relaytest.Within(t, 10*time.Second, "identify with the relay", func() bool {
+		_, err := gr.Relay.Host().Peerstore().SupportsProtocols(v.Agent.ID(), identify.ID)
 		return err == nil
 	})
 	announced := h.Addrs()

@@ -77,10 +77,10 @@ func (e *lockstepEngine) serve(w http.ResponseWriter, r *http.Request) {
 func startLockstepPath(t *testing.T, e *lockstepEngine) string {
 	t.Helper()
 	rl := startRelayLogger(t, zerolog.New(io.Discard))
-	startRealAgent(t, rl, "a", &itEngine{name: "a", srv: e.srv, models: []string{"m1"}})
-	c := newClient(t, rl.url)
+	startRealAgent(t, rl, "a", e.srv.URL)
+	c := newClient(t, rl.URL)
 	waitFor(t, "agent a routable", func() bool { return len(c.models()) == 1 })
-	return rl.url
+	return rl.URL
 }
 
 func streamRequest(ctx context.Context, t *testing.T, url string) *http.Response {

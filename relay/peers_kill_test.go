@@ -22,6 +22,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/peer"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -129,20 +130,20 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 	}
 	idBPeer := pidB.String()
 	b := startRelayProcess(t, listenB, idB, httpB)
-	addrs := []string{listenA + "/p2p/" + a.r.Host().ID().String(), listenB + "/p2p/" + idBPeer}
+	addrs := []string{listenA + "/p2p/" + a.Relay.Host().ID().String(), listenB + "/p2p/" + idBPeer}
 	const na = 3
 	for i := range na {
 		name := fmt.Sprintf("agent-%d", i)
-		startMultiAgent(t, addrs, name, newGEngine(t, name), filepath.Join(dir, name+".key"))
+		startMultiAgent(t, addrs, name, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true}), filepath.Join(dir, name+".key"))
 	}
-	gPoll(t, 60*time.Second, "relay a to share sessions with the relay process", func() bool {
-		return len(a.r.PeerRelays()) == 1
+	relaytest.Within(t, 60*time.Second, "relay a to share sessions with the relay process", func() bool {
+		return len(a.Relay.PeerRelays()) == 1
 	})
 	hc := &http.Client{Timeout: 20 * time.Second}
 	defer hc.CloseIdleConnections()
-	urls := []string{a.url, b.url}
-	gPoll(t, 60*time.Second, "the relay process to serve", func() bool {
-		_, _, err := chat(hc, &itRelay{url: b.url}, "probe")
+	urls := []string{a.URL, b.url}
+	relaytest.Within(t, 60*time.Second, "the relay process to serve", func() bool {
+		_, _, err := chat(hc, &relaytest.Relay{URL: b.url}, "probe")
 		return err == nil
 	})
 
@@ -175,7 +176,7 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 				via := first
 				for try := range 3 {
 					via = (first + try) % 2
-					agentName, _, err = chat(hc, &itRelay{url: urls[via]}, session)
+					agentName, _, err = chat(hc, &relaytest.Relay{URL: urls[via]}, session)
 					if err == nil || !isConnError(err) {
 						break
 					}
@@ -218,8 +219,8 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 	during := sent.Load() - before
 	b = startRelayProcess(t, listenB, idB, httpB)
 	startedAt := time.Now()
-	back := gPoll(t, 30*time.Second, "the restarted relay to route a request", func() bool {
-		_, _, err := chat(hc, &itRelay{url: b.url}, "probe-after")
+	back := relaytest.Within(t, 30*time.Second, "the restarted relay to route a request", func() bool {
+		_, _, err := chat(hc, &relaytest.Relay{URL: b.url}, "probe-after")
 		return err == nil
 	})
 	time.Sleep(2 * time.Second)

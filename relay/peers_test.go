@@ -17,6 +17,7 @@ import (
 	ma "github.com/multiformats/go-multiaddr"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
@@ -38,7 +39,7 @@ func freeUDP(t testing.TB) string {
 
 // startPeerRelay starts a sticky relay with gossip on listen (a fixed
 // port and identity, so that it can be restarted as itself).
-func startPeerRelay(t testing.TB, listen, identity, who string, edits ...func(*relay.Config)) *itRelay {
+func startPeerRelay(t testing.TB, listen, identity, who string, edits ...func(*relay.Config)) *relaytest.Relay {
 	t.Helper()
 	cfg := relay.Config{
 		P2PListen:    []string{listen},
@@ -51,11 +52,11 @@ func startPeerRelay(t testing.TB, listen, identity, who string, edits ...func(*r
 	for _, edit := range edits {
 		edit(&cfg)
 	}
-	return serveRelay(t, cfg)
+	return relaytest.ServeRelay(t, cfg)
 }
 
 // startMultiAgent starts an agent joined to every relay in addrs.
-func startMultiAgent(t testing.TB, addrs []string, name string, e *gEngine, identity string) *gAgent {
+func startMultiAgent(t testing.TB, addrs []string, name string, e *relaytest.FakeEngine, identity string) *gAgent {
 	t.Helper()
 	cfg := gAgentConfig(t, name, e, identity)
 	cfg.Relays = addrs
@@ -63,12 +64,12 @@ func startMultiAgent(t testing.TB, addrs []string, name string, e *gEngine, iden
 }
 
 type multiCluster struct {
-	relays  []*itRelay
+	relays  []*relaytest.Relay
 	listen  []string
 	ids     []string
 	addrs   []string
 	agents  []*gAgent
-	engines []*gEngine
+	engines []*relaytest.FakeEngine
 }
 
 // startMulti starts nr relays and na agents joined to all of them, and
@@ -83,27 +84,27 @@ func startMulti(t *testing.T, nr, na int) *multiCluster {
 		mc.ids = append(mc.ids, filepath.Join(dir, fmt.Sprintf("relay-%d.key", i)))
 		r := startPeerRelay(t, mc.listen[i], mc.ids[i], fmt.Sprintf("relay-%d", i))
 		mc.relays = append(mc.relays, r)
-		mc.addrs = append(mc.addrs, mc.listen[i]+"/p2p/"+r.r.Host().ID().String())
+		mc.addrs = append(mc.addrs, mc.listen[i]+"/p2p/"+r.Relay.Host().ID().String())
 	}
 	for i := range na {
 		name := fmt.Sprintf("agent-%d", i)
-		e := newGEngine(t, name)
+		e := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true})
 		mc.engines = append(mc.engines, e)
 		mc.agents = append(mc.agents, startMultiAgent(t, mc.addrs, name, e, filepath.Join(dir, name+".key")))
 	}
-	gPoll(t, 60*time.Second, "relays to find each other through the agents", func() bool {
+	relaytest.Within(t, 60*time.Second, "relays to find each other through the agents", func() bool {
 		for _, r := range mc.relays {
-			if len(r.r.PeerRelays()) != nr-1 {
+			if len(r.Relay.PeerRelays()) != nr-1 {
 				return false
 			}
 		}
 		return true
 	})
 	for i, r := range mc.relays {
-		gPoll(t, 60*time.Second, fmt.Sprintf("relay %d to route to every agent", i), func() bool {
+		relaytest.Within(t, 60*time.Second, fmt.Sprintf("relay %d to route to every agent", i), func() bool {
 			n := 0
 			for _, ga := range mc.agents {
-				if routable(r, ga.name) {
+				if routable(r, ga.Name) {
 					n++
 				}
 			}
@@ -115,8 +116,8 @@ func startMulti(t *testing.T, nr, na int) *multiCluster {
 
 // chat sends one non-streamed chat turn of session to r and returns the
 // agent that served it and the affinity header.
-func chat(hc *http.Client, r *itRelay, session string) (agentName, affinity string, err error) {
-	req, _ := http.NewRequest(http.MethodPost, r.url+"/v1/chat/completions",
+func chat(hc *http.Client, r *relaytest.Relay, session string) (agentName, affinity string, err error) {
+	req, _ := http.NewRequest(http.MethodPost, r.URL+"/v1/chat/completions",
 		strings.NewReader(`{"model":"m1","messages":[{"role":"user","content":"hi"}]}`))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Session-ID", session)
@@ -134,7 +135,7 @@ func chat(hc *http.Client, r *itRelay, session string) (agentName, affinity stri
 
 // bindSessions sends the first turn of n sessions named prefix-i to r and
 // returns the agent each is bound to.
-func bindSessions(t *testing.T, hc *http.Client, r *itRelay, prefix string, n int) map[string]string {
+func bindSessions(t *testing.T, hc *http.Client, r *relaytest.Relay, prefix string, n int) map[string]string {
 	t.Helper()
 	bound := make(map[string]string, n)
 	for i := range n {
@@ -148,8 +149,8 @@ func bindSessions(t *testing.T, hc *http.Client, r *itRelay, prefix string, n in
 	return bound
 }
 
-func boundTo(r *itRelay, session string) string {
-	id, _, _ := r.r.Scheduler().Binding(session)
+func boundTo(r *relaytest.Relay, session string) string {
+	id, _, _ := r.Relay.Scheduler().Binding(session)
 	return id
 }
 
@@ -200,7 +201,7 @@ func TestPeerRelaysFollowUpOnAnotherRelay(t *testing.T) {
 		t.Errorf("first turns all on one agent (%v): the test would prove nothing", served)
 	}
 	for i, r := range mc.relays {
-		st := r.r.PeerStats()
+		st := r.Relay.PeerStats()
 		t.Logf("relay %d: %+v", i, st)
 		if st.BindingsReceived == 0 {
 			t.Errorf("relay %d received no bindings", i)
@@ -237,7 +238,7 @@ func TestPeerRelaysConflictingBindings(t *testing.T) {
 		if got[0] != got[1] {
 			conflicts++
 		}
-		gPoll(t, 5*time.Second, "both relays to agree on "+s, func() bool {
+		relaytest.Within(t, 5*time.Second, "both relays to agree on "+s, func() bool {
 			b0 := boundTo(mc.relays[0], s)
 			return b0 != "" && b0 == boundTo(mc.relays[1], s)
 		})
@@ -266,7 +267,7 @@ func TestPeerRelayRestartRebuildsBindings(t *testing.T) {
 	defer hc.CloseIdleConnections()
 	const sessions = 60
 	want := bindSessions(t, hc, mc.relays[0], "keep", sessions)
-	gPoll(t, 5*time.Second, "relay 1 to hold every binding", func() bool {
+	relaytest.Within(t, 5*time.Second, "relay 1 to hold every binding", func() bool {
 		for s, a := range want {
 			if boundTo(mc.relays[1], s) != a {
 				return false
@@ -274,21 +275,21 @@ func TestPeerRelayRestartRebuildsBindings(t *testing.T) {
 		}
 		return true
 	})
-	mc.relays[1].stop()
+	mc.relays[1].Stop()
 	start := time.Now()
 	r1 := startPeerRelay(t, mc.listen[1], mc.ids[1], "relay-1-again")
 	mc.relays[1] = r1
-	gPoll(t, 60*time.Second, "the restarted relay to route to every agent", func() bool {
+	relaytest.Within(t, 60*time.Second, "the restarted relay to route to every agent", func() bool {
 		for _, ga := range mc.agents {
-			if !routable(r1, ga.name) {
+			if !routable(r1, ga.Name) {
 				return false
 			}
 		}
 		return true
 	})
 	agentsBack := time.Since(start)
-	gPoll(t, 10*time.Second, "the restarted relay to learn the bindings", func() bool {
-		return r1.r.PeerStats().Sessions >= sessions
+	relaytest.Within(t, 10*time.Second, "the restarted relay to learn the bindings", func() bool {
+		return r1.Relay.PeerStats().Sessions >= sessions
 	})
 	rebuilt := time.Since(start)
 	hits := 0
@@ -316,36 +317,36 @@ func TestPeerRelayRestartRebuildsBindings(t *testing.T) {
 // secret is refused on both sides.
 func TestPeerRelaySeedAndSecret(t *testing.T) {
 	a := startPeerRelay(t, "/ip4/127.0.0.1/udp/0/quic-v1", "", "relay-a")
-	other := serveRelay(t, relay.Config{
+	other := relaytest.ServeRelay(t, relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
 		Token:     []byte("another secret"),
 		NoAuth:    true,
 		Logger:    gTestLogger(t, "relay-other"),
 		Gossip:    relay.GossipConfig{Tune: gFastTune, LeaveTimeout: time.Second},
 	})
-	b := serveRelay(t, relay.Config{
+	b := relaytest.ServeRelay(t, relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
 		Token:     []byte(gToken),
 		NoAuth:    true,
 		Logger:    gTestLogger(t, "relay-b"),
 		Gossip:    relay.GossipConfig{Tune: gFastTune, LeaveTimeout: time.Second},
-		Peers:     relay.PeersConfig{Relays: []peer.AddrInfo{a.info(), other.info()}},
+		Peers:     relay.PeersConfig{Relays: []peer.AddrInfo{a.Info(), other.Info()}},
 	})
-	gPoll(t, 30*time.Second, "the seeded peer relays to share sessions", func() bool {
-		return len(a.r.PeerRelays()) == 1 && len(b.r.PeerRelays()) == 1
+	relaytest.Within(t, 30*time.Second, "the seeded peer relays to share sessions", func() bool {
+		return len(a.Relay.PeerRelays()) == 1 && len(b.Relay.PeerRelays()) == 1
 	})
-	gPoll(t, 30*time.Second, "the relay with another secret to refuse", func() bool {
-		return other.r.PeerStats().Refused > 0
+	relaytest.Within(t, 30*time.Second, "the relay with another secret to refuse", func() bool {
+		return other.Relay.PeerStats().Refused > 0
 	})
-	if got := b.r.PeerRelays(); got[0] != a.r.Host().ID() {
+	if got := b.Relay.PeerRelays(); got[0] != a.Relay.Host().ID() {
 		t.Errorf("b shares with %v", got)
 	}
-	if n := len(other.r.PeerRelays()); n != 0 {
+	if n := len(other.Relay.PeerRelays()); n != 0 {
 		t.Errorf("the relay with another secret shares with %d relays", n)
 	}
 	// The seeded pair gossips as one cluster.
-	gPoll(t, 30*time.Second, "a and b in one gossip cluster", func() bool {
-		return a.r.Gossip().Known(b.r.Host().ID()) && b.r.Gossip().Known(a.r.Host().ID())
+	relaytest.Within(t, 30*time.Second, "a and b in one gossip cluster", func() bool {
+		return a.Relay.Gossip().Known(b.Relay.Host().ID()) && b.Relay.Gossip().Known(a.Relay.Host().ID())
 	})
 }
 
@@ -365,17 +366,17 @@ func TestPeerRelayRestartWaitsForBindings(t *testing.T) {
 	// surely arrive before it however slowly the agents rejoin (the
 	// relay's own wait is 2 s; here 8 s, for a loaded machine).
 	const delay = 4 * time.Second
-	relay.DelayPeerSnapshots(mc.relays[0].r, delay)
-	mc.relays[1].stop()
+	relay.DelayPeerSnapshots(mc.relays[0].Relay, delay)
+	mc.relays[1].Stop()
 	r1 := startPeerRelay(t, mc.listen[1], mc.ids[1], "relay-1-again", func(c *relay.Config) { relay.WithPeerSyncWait(c, 2*delay) })
 	mc.relays[1] = r1
 	// Unkeyed requests do not wait: the first one served means an agent
 	// has rejoined, and the table is still on its way.
-	gPoll(t, 60*time.Second, "the restarted relay to serve", func() bool {
+	relaytest.Within(t, 60*time.Second, "the restarted relay to serve", func() bool {
 		_, _, err := chat(hc, r1, "")
 		return err == nil
 	})
-	if n := r1.r.PeerStats().Sessions; n != 0 {
+	if n := r1.Relay.PeerStats().Sessions; n != 0 {
 		t.Fatalf("the restarted relay holds %d bindings before its peer sent its table: the test does not reach the wait", n)
 	}
 	start := time.Now()
@@ -417,12 +418,12 @@ func TestPeerRelayResyncsRestartedPeer(t *testing.T) {
 	dir := t.TempDir()
 	idB := filepath.Join(dir, "b.key")
 	quiet := relay.GossipConfig{Disabled: true} // the sessions protocol alone
-	b := serveRelay(t, relay.Config{
+	b := relaytest.ServeRelay(t, relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, IdentityFile: idB,
 		Token: []byte(gToken), NoAuth: true, Gossip: quiet, Logger: gTestLogger(t, "relay-b"),
 	})
 	var bUDP *net.UDPAddr
-	for _, a := range b.r.Host().Addrs() {
+	for _, a := range b.Relay.Host().Addrs() {
 		ip, err1 := a.ValueForProtocol(ma.P_IP4)
 		port, err2 := a.ValueForProtocol(ma.P_UDP)
 		if err1 == nil && err2 == nil {
@@ -430,42 +431,42 @@ func TestPeerRelayResyncsRestartedPeer(t *testing.T) {
 		}
 	}
 	if bUDP == nil {
-		t.Fatalf("relay b listens on no UDP address: %v", b.r.Host().Addrs())
+		t.Fatalf("relay b listens on no UDP address: %v", b.Relay.Host().Addrs())
 	}
 	cut := newUDPCut(t, bUDP)
 	viaCut, err := ma.NewMultiaddr(fmt.Sprintf("/ip4/127.0.0.1/udp/%d/quic-v1", cut.port()))
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := serveRelay(t, relay.Config{
+	a := relaytest.ServeRelay(t, relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
 		Token:     []byte(gToken), NoAuth: true, Gossip: quiet, Logger: gTestLogger(t, "relay-a"),
-		Peers: relay.PeersConfig{Relays: []peer.AddrInfo{{ID: b.r.Host().ID(), Addrs: []ma.Multiaddr{viaCut}}}},
+		Peers: relay.PeersConfig{Relays: []peer.AddrInfo{{ID: b.Relay.Host().ID(), Addrs: []ma.Multiaddr{viaCut}}}},
 	})
-	gPoll(t, 30*time.Second, "the relays to share sessions through the cut", func() bool {
-		return len(a.r.PeerRelays()) == 1 && len(b.r.PeerRelays()) == 1
+	relaytest.Within(t, 30*time.Second, "the relays to share sessions through the cut", func() bool {
+		return len(a.Relay.PeerRelays()) == 1 && len(b.Relay.PeerRelays()) == 1
 	})
 	const sessions = 50
 	for i := range sessions {
-		relay.ShareBinding(a.r, fmt.Sprintf("s-%d", i), "agent-x")
+		relay.ShareBinding(a.Relay, fmt.Sprintf("s-%d", i), "agent-x")
 	}
-	gPoll(t, 10*time.Second, "relay b to hold relay a's bindings", func() bool {
-		return b.r.PeerStats().Sessions == sessions
+	relaytest.Within(t, 10*time.Second, "relay b to hold relay a's bindings", func() bool {
+		return b.Relay.PeerStats().Sessions == sessions
 	})
 	cut.cut.Store(true)
-	b.stop() // its goodbye is dropped: to relay a, relay b went silent
+	b.Stop() // its goodbye is dropped: to relay a, relay b went silent
 	start := time.Now()
-	b2 := serveRelay(t, relay.Config{
+	b2 := relaytest.ServeRelay(t, relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, IdentityFile: idB,
 		Token: []byte(gToken), NoAuth: true, Gossip: quiet, Logger: gTestLogger(t, "relay-b-again"),
-		Peers: relay.PeersConfig{Relays: []peer.AddrInfo{a.info()}},
+		Peers: relay.PeersConfig{Relays: []peer.AddrInfo{a.Info()}},
 	})
-	gPoll(t, 10*time.Second, "the restarted relay b to get relay a's bindings (without a resync: after the QUIC idle timeout, 30 s)", func() bool {
-		return b2.r.PeerStats().Sessions == sessions
+	relaytest.Within(t, 10*time.Second, "the restarted relay b to get relay a's bindings (without a resync: after the QUIC idle timeout, 30 s)", func() bool {
+		return b2.Relay.PeerStats().Sessions == sessions
 	})
 	t.Logf("the restarted relay held relay a's %d bindings %v after its start; relay a resynced %d times",
-		sessions, time.Since(start).Round(time.Millisecond), a.r.PeerStats().Resyncs)
-	if n := a.r.PeerStats().Resyncs; n == 0 {
+		sessions, time.Since(start).Round(time.Millisecond), a.Relay.PeerStats().Resyncs)
+	if n := a.Relay.PeerStats().Resyncs; n == 0 {
 		t.Error("relay a counted no resync")
 	}
 }

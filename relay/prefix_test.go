@@ -22,6 +22,7 @@ import (
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/scheduler"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -30,24 +31,23 @@ import (
 // ends.
 func startSimEngine(t testing.TB, cacheBlocks int) *simengine.Server {
 	t.Helper()
-	srv, stop := runSimEngineWith(t, simengine.Config{Models: []string{"m1"}, TimeScale: 20, DefaultMaxTokens: 4,
+	srv, _ := relaytest.RunSimEngine(t, simengine.Config{Models: []string{"m1"}, TimeScale: 20, DefaultMaxTokens: 4,
 		Engine: simengine.EngineConfig{CacheBlocks: cacheBlocks}})
-	t.Cleanup(stop)
 	return srv
 }
 
 // startIndexAgent runs package agent in front of engine url, publishing its
 // prefix index every 20 ms; kvTokens overrides the capacity read from the
 // engine (0: read it).
-func startIndexAgent(t testing.TB, rl *itRelay, name, url string, kvTokens int, more ...*itRelay) *realAgent {
+func startIndexAgent(t testing.TB, rl *relaytest.Relay, name, url string, kvTokens int, more ...*relaytest.Relay) *relaytest.Agent {
 	t.Helper()
 	var others []string
 	for _, o := range more {
-		others = append(others, o.r.Addrs()[0].String())
+		others = append(others, o.Relay.Addrs()[0].String())
 	}
-	a, err := agent.New(agent.Config{
+	return relaytest.RunAgent(t, agent.Config{
 		Relays:          others,
-		Relay:           rl.r.Addrs()[0].String(),
+		Relay:           rl.Relay.Addrs()[0].String(),
 		Token:           itToken,
 		Upstream:        url,
 		Name:            name,
@@ -60,22 +60,14 @@ func startIndexAgent(t testing.TB, rl *itRelay, name, url string, kvTokens int, 
 		Gossip:          agent.GossipConfig{Disabled: true},
 		Index:           agent.IndexConfig{PublishInterval: 20 * time.Millisecond, KVCapacityTokens: kvTokens},
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	ra := &realAgent{a: a, cancel: cancel, done: make(chan error, 1)}
-	go func() { ra.done <- a.Run(ctx) }()
-	t.Cleanup(ra.stop)
-	return ra
 }
 
-func indexRelay(t testing.TB, identity, p2p string) *itRelay {
+func indexRelay(t testing.TB, identity, p2p string) *relaytest.Relay {
 	t.Helper()
 	if p2p == "" {
 		p2p = "/ip4/127.0.0.1/udp/0/quic-v1"
 	}
-	return serveRelay(t, relay.Config{
+	return relaytest.ServeRelay(t, relay.Config{
 		P2PListen: []string{p2p}, IdentityFile: identity, Token: []byte(itToken), APIKeys: []string{itKey},
 		Logger: testLogger(), IndexCutoff: time.Minute,
 		Gossip: relay.GossipConfig{Disabled: true},
@@ -93,7 +85,7 @@ func words(seed string, n int) string {
 
 // keylessChat sends a keyless streamed chat completion and returns the serving
 // agent and the usage the client got (nil if none).
-func keylessChat(t testing.TB, rl *itRelay, system, user string, includeUsage bool) (string, *int) {
+func keylessChat(t testing.TB, rl *relaytest.Relay, system, user string, includeUsage bool) (string, *int) {
 	t.Helper()
 	body := map[string]any{
 		"model": "m1", "stream": true, "max_tokens": 4,
@@ -103,7 +95,7 @@ func keylessChat(t testing.TB, rl *itRelay, system, user string, includeUsage bo
 		body["stream_options"] = map[string]bool{"include_usage": true}
 	}
 	b, _ := json.Marshal(body)
-	req, _ := http.NewRequest(http.MethodPost, rl.url+"/v1/chat/completions", bytes.NewReader(b))
+	req, _ := http.NewRequest(http.MethodPost, rl.URL+"/v1/chat/completions", bytes.NewReader(b))
 	req.Header.Set("Authorization", "Bearer "+itKey)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -149,11 +141,11 @@ func keylessChat(t testing.TB, rl *itRelay, system, user string, includeUsage bo
 
 // metric returns the value of the series whose line starts with prefix in
 // the relay's /metrics (0 if absent).
-func metric(t testing.TB, rl *itRelay, prefix string) float64 {
+func metric(t testing.TB, rl *relaytest.Relay, prefix string) float64 {
 	t.Helper()
 	rec := &bodyRecorder{h: http.Header{}}
 	req, _ := http.NewRequest(http.MethodGet, "/metrics", nil)
-	rl.r.Handler().ServeHTTP(rec, req)
+	rl.Relay.Handler().ServeHTTP(rec, req)
 	for line := range strings.Lines(rec.b.String()) {
 		if rest, ok := strings.CutPrefix(line, prefix+" "); ok {
 			v, _ := strconv.ParseFloat(strings.TrimSpace(rest), 64)
@@ -175,8 +167,8 @@ func (r *bodyRecorder) WriteHeader(int)             {}
 // probe asks the relay's scheduler where a keyless request of body would go
 // and how many of its blocks that agent is believed to hold, without
 // sending it.
-func probe(rl *itRelay, body []byte) (string, int) {
-	s := rl.r.Scheduler()
+func probe(rl *relaytest.Relay, body []byte) (string, int) {
+	s := rl.Relay.Scheduler()
 	chain := scheduler.PromptBlocks(nil, body, scheduler.PrefixConfig{})
 	att := s.Begin(scheduler.Request{Model: "m1", Prefix: chain})
 	c, err := att.Pick()
@@ -203,9 +195,9 @@ func chatBody(system, user string) []byte {
 func TestPrefixIndexRouting(t *testing.T) {
 	dir := t.TempDir()
 	rl := indexRelay(t, filepath.Join(dir, "relay.key"), "")
-	p2p := rl.r.Host().Addrs()[0].String()
+	p2p := rl.Relay.Host().Addrs()[0].String()
 	names := []string{"a", "b", "c"}
-	agents := map[string]*realAgent{}
+	agents := map[string]*relaytest.Agent{}
 	for _, n := range names {
 		agents[n] = startIndexAgent(t, rl, n, startSimEngine(t, 0).URL(), 0)
 	}
@@ -217,7 +209,7 @@ func TestPrefixIndexRouting(t *testing.T) {
 	// The index was sized from the simulated engine's vllm:cache_config_info.
 	for _, n := range names {
 		waitFor(t, "capacity from the engine", func() bool {
-			return agents[n].a.IndexStats().CapacityTokens == simengine.DefaultCacheBlocks*simengine.DefaultBlockSize
+			return agents[n].Agent.IndexStats().CapacityTokens == simengine.DefaultCacheBlocks*simengine.DefaultBlockSize
 		})
 	}
 
@@ -230,8 +222,8 @@ func TestPrefixIndexRouting(t *testing.T) {
 	if holder == nil {
 		t.Fatalf("served by %q", first)
 	}
-	waitFor(t, "the holder's index published", func() bool { return rl.r.Scheduler().IndexStats().Entries >= 64 })
-	if got := holder.a.IndexStats().Blocks; got < 64 {
+	waitFor(t, "the holder's index published", func() bool { return rl.Relay.Scheduler().IndexStats().Entries >= 64 })
+	if got := holder.Agent.IndexStats().Blocks; got < 64 {
 		t.Fatalf("holder's index has %d blocks", got)
 	}
 	for i := range 6 {
@@ -245,9 +237,9 @@ func TestPrefixIndexRouting(t *testing.T) {
 	}
 
 	// A restarted relay knows no past route: only the snapshots tell it.
-	rl.stop()
+	rl.Stop()
 	rl = indexRelay(t, filepath.Join(dir, "relay.key"), p2p)
-	waitFor(t, "the agents' snapshots at the new relay", func() bool { return rl.r.Scheduler().IndexStats().Entries >= 64 })
+	waitFor(t, "the agents' snapshots at the new relay", func() bool { return rl.Relay.Scheduler().IndexStats().Entries >= 64 })
 	if id, cached := probe(rl, chatBody(system, "after the restart")); id != first || cached < 60 {
 		t.Fatalf("after restart: prefix placed on %s believed to hold %d blocks; want %s with >= 60", id, cached, first)
 	}
@@ -256,10 +248,10 @@ func TestPrefixIndexRouting(t *testing.T) {
 	}
 
 	// A leaving agent takes its entries with it.
-	before := rl.r.Scheduler().IndexStats().Entries
-	holder.stop()
+	before := rl.Relay.Scheduler().IndexStats().Entries
+	holder.Stop()
 	waitFor(t, "the holder's entries dropped", func() bool {
-		st := rl.r.Scheduler().IndexStats()
+		st := rl.Relay.Scheduler().IndexStats()
 		return st.Entries < before && st.Entries < 64
 	})
 	if id, cached := probe(rl, chatBody(system, "after the holder left")); id == first || cached > 2 {
@@ -281,13 +273,13 @@ func TestPrefixIndexFollowsEngine(t *testing.T) {
 	waitFor(t, "publishing", func() bool {
 		return metric(t, rl, `computeflux_prefix_updates_total{agent="solo",type="snapshot"}`) >= 1
 	})
-	initial := a.a.IndexStats().Capacity
+	initial := a.Agent.IndexStats().Capacity
 	if initial != 2*512*16/scheduler.DefaultBlockTokens {
 		t.Fatalf("capacity %d blocks", initial)
 	}
 	synced := func(what string) {
 		waitFor(t, what, func() bool {
-			return rl.r.Scheduler().IndexStats().Entries == a.a.IndexStats().Blocks
+			return rl.Relay.Scheduler().IndexStats().Entries == a.Agent.IndexStats().Blocks
 		})
 	}
 	prompts := make([]string, 12)
@@ -296,7 +288,7 @@ func TestPrefixIndexFollowsEngine(t *testing.T) {
 		keylessChat(t, rl, prompts[i], "q", false)
 	}
 	synced("relay equal to agent after the inserts")
-	st := a.a.IndexStats()
+	st := a.Agent.IndexStats()
 	if st.Blocks > st.Capacity {
 		t.Fatalf("agent holds %d blocks over its capacity %d", st.Blocks, st.Capacity)
 	}
@@ -307,7 +299,7 @@ func TestPrefixIndexFollowsEngine(t *testing.T) {
 		keylessChat(t, rl, prompts[i], "q", false)
 	}
 	synced("relay equal to agent after the corrections")
-	st = a.a.IndexStats()
+	st = a.Agent.IndexStats()
 	if st.Corrections == 0 || st.Capacity >= initial {
 		t.Fatalf("after replays: %d corrections, capacity %d (was %d)", st.Corrections, st.Capacity, initial)
 	}
@@ -328,11 +320,11 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 		return metric(t, rl, `computeflux_prefix_updates_total{agent="good",type="snapshot"}`) >= 1
 	})
 	keylessChat(t, rl, words("good", 8<<10), "q", false)
-	waitFor(t, "the good agent's entries", func() bool { return good.a.IndexStats().Blocks >= 32 })
+	waitFor(t, "the good agent's entries", func() bool { return good.Agent.IndexStats().Blocks >= 32 })
 	waitFor(t, "them at the relay", func() bool {
-		return rl.r.Scheduler().IndexStats().Entries == good.a.IndexStats().Blocks
+		return rl.Relay.Scheduler().IndexStats().Entries == good.Agent.IndexStats().Blocks
 	})
-	goodEntries := rl.r.Scheduler().IndexStats().Entries
+	goodEntries := rl.Relay.Scheduler().IndexStats().Entries
 
 	cases := []struct {
 		name   string
@@ -363,7 +355,7 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 					t.Fatal(err)
 				}
 				waitFor(t, "the bad publisher's snapshot merged", func() bool {
-					return rl.r.Scheduler().IndexStats().Entries == goodEntries+5
+					return rl.Relay.Scheduler().IndexStats().Entries == goodEntries+5
 				})
 				out = tc.frames()
 			}
@@ -374,13 +366,13 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 				t.Fatal("no reject reason")
 			}
 			waitFor(t, "the bad publisher's entries dropped", func() bool {
-				return rl.r.Scheduler().IndexStats().Entries == goodEntries
+				return rl.Relay.Scheduler().IndexStats().Entries == goodEntries
 			})
 			if got := metric(t, rl, `computeflux_prefix_publishers_cut_off_total{reason="`+tc.reason+`"}`); got < 1 {
 				t.Fatalf("cut-off metric for %s is %v", tc.reason, got)
 			}
 			// Cut off: a new stream is refused.
-			s2, err := h.NewStream(ctx, rl.info().ID, transport.PrefixProtocol)
+			s2, err := h.NewStream(ctx, rl.Info().ID, transport.PrefixProtocol)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -392,7 +384,7 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 			if got := readReject(t, s2); !strings.Contains(got, "cut off") {
 				t.Fatalf("second stream: %q", got)
 			}
-			if got := rl.r.Scheduler().IndexStats().Entries; got != goodEntries {
+			if got := rl.Relay.Scheduler().IndexStats().Entries; got != goodEntries {
 				t.Fatalf("entries %d after the refused stream, want %d", got, goodEntries)
 			}
 		})
@@ -414,10 +406,10 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 		h := newHost(t)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		if err := h.Connect(ctx, rl.info()); err != nil {
+		if err := h.Connect(ctx, rl.Info()); err != nil {
 			t.Fatal(err)
 		}
-		s, err := h.NewStream(ctx, rl.info().ID, transport.PrefixProtocol)
+		s, err := h.NewStream(ctx, rl.Info().ID, transport.PrefixProtocol)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -428,26 +420,26 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 		if _, err := s.Read(make([]byte, 1)); err == nil {
 			t.Fatal("a peer that did not join got an answer")
 		}
-		if got := rl.r.Scheduler().IndexStats().Entries; got != goodEntries {
+		if got := rl.Relay.Scheduler().IndexStats().Entries; got != goodEntries {
 			t.Fatalf("entries %d, want %d", got, goodEntries)
 		}
 		if got := metric(t, rl, `computeflux_prefix_streams_refused_total{reason="not_joined"}`); got < 1 {
 			t.Fatalf("refused metric %v", got)
 		}
 	})
-	if got := good.a.IndexStats().Blocks; rl.r.Scheduler().IndexStats().Entries != got {
+	if got := good.Agent.IndexStats().Blocks; rl.Relay.Scheduler().IndexStats().Entries != got {
 		t.Fatalf("the good agent's %d entries changed at the relay", got)
 	}
 
 	// Held dead (as gossip does), the agent's entries go; back alive, the
 	// relay asks it for a snapshot and has them again.
-	rl.r.Registry().SetDead("good", true)
-	waitFor(t, "a dead agent's entries dropped", func() bool { return rl.r.Scheduler().IndexStats().Entries == 0 })
-	rl.r.Registry().SetDead("good", false)
+	rl.Relay.Registry().SetDead("good", true)
+	waitFor(t, "a dead agent's entries dropped", func() bool { return rl.Relay.Scheduler().IndexStats().Entries == 0 })
+	rl.Relay.Registry().SetDead("good", false)
 	waitFor(t, "the revived agent's snapshot", func() bool {
-		return rl.r.Scheduler().IndexStats().Entries == good.a.IndexStats().Blocks
+		return rl.Relay.Scheduler().IndexStats().Entries == good.Agent.IndexStats().Blocks
 	})
-	if got := good.a.IndexStats().Snapshots; got < 2 {
+	if got := good.Agent.IndexStats().Snapshots; got < 2 {
 		t.Fatalf("%d snapshots sent, want the first and one after the resync", got)
 	}
 }
@@ -455,18 +447,18 @@ func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 // joinedPrefixStream joins a new host to rl as name serving m1 and opens
 // a prefix stream from it; the registration and the stream last until the
 // test ends.
-func joinedPrefixStream(ctx context.Context, t testing.TB, rl *itRelay, name string) (host.Host, network.Stream) {
+func joinedPrefixStream(ctx context.Context, t testing.TB, rl *relaytest.Relay, name string) (host.Host, network.Stream) {
 	t.Helper()
 	h := newHost(t)
-	if err := h.Connect(ctx, rl.info()); err != nil {
+	if err := h.Connect(ctx, rl.Info()); err != nil {
 		t.Fatal(err)
 	}
-	m, err := transport.Join(ctx, h, rl.info().ID, []byte(itToken), transport.JoinInfo{Name: name, Models: []string{"m1"}})
+	m, err := transport.Join(ctx, h, rl.Info().ID, []byte(itToken), transport.JoinInfo{Name: name, Models: []string{"m1"}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = m.Close() })
-	s, err := h.NewStream(ctx, rl.info().ID, transport.PrefixProtocol)
+	s, err := h.NewStream(ctx, rl.Info().ID, transport.PrefixProtocol)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -512,19 +504,19 @@ func testLogger() zerolog.Logger {
 func TestPrefixIndexToEveryRelay(t *testing.T) {
 	r1, r2 := indexRelay(t, "", ""), indexRelay(t, "", "")
 	a := startIndexAgent(t, r1, "both", startSimEngine(t, 0).URL(), 0, r2)
-	for _, rl := range []*itRelay{r1, r2} {
+	for _, rl := range []*relaytest.Relay{r1, r2} {
 		waitFor(t, "publishing to each relay", func() bool {
 			return metric(t, rl, `computeflux_prefix_updates_total{agent="both",type="snapshot"}`) >= 1
 		})
 	}
 	keylessChat(t, r1, words("multi", 8<<10), "q", false)
-	waitFor(t, "the agent's index", func() bool { return a.a.IndexStats().Blocks >= 32 })
-	for _, rl := range []*itRelay{r1, r2} {
+	waitFor(t, "the agent's index", func() bool { return a.Agent.IndexStats().Blocks >= 32 })
+	for _, rl := range []*relaytest.Relay{r1, r2} {
 		waitFor(t, "the same entries at both relays", func() bool {
-			return rl.r.Scheduler().IndexStats().Entries == a.a.IndexStats().Blocks
+			return rl.Relay.Scheduler().IndexStats().Entries == a.Agent.IndexStats().Blocks
 		})
 	}
-	if got := a.a.IndexStats().Relays; got != 2 {
+	if got := a.Agent.IndexStats().Relays; got != 2 {
 		t.Fatalf("publishing to %d relays", got)
 	}
 }

@@ -40,7 +40,7 @@ func TestREADMEClients(t *testing.T) {
 	rl := startRelay(t, "", "")
 	a, b := startSimAgent(t, rl, "readme-1"), startSimAgent(t, rl, "readme-2")
 	waitResponsesAgents(t, rl, a, b)
-	host := strings.TrimPrefix(rl.url, "http://")
+	host := strings.TrimPrefix(rl.URL, "http://")
 	keyFile := filepath.Join(t.TempDir(), "api-keys")
 	if err := os.WriteFile(keyFile, []byte(itKey+"\n"), 0o600); err != nil {
 		t.Fatal(err)
@@ -91,7 +91,7 @@ func TestREADMEClients(t *testing.T) {
 	}
 	run := func(i int) []string {
 		t.Helper()
-		src := strings.ReplaceAll(js[i], "http://RELAY:8080", rl.url)
+		src := strings.ReplaceAll(js[i], "http://RELAY:8080", rl.URL)
 		src = strings.ReplaceAll(src, "'sk-...'", "'"+itKey+"'")
 		script := filepath.Join(dir, fmt.Sprintf("example%d.mjs", i)) // beside node_modules, so the import resolves
 		if err := os.WriteFile(script, []byte(src), 0o644); err != nil {

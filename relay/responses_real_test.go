@@ -15,6 +15,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
@@ -22,40 +23,19 @@ import (
 // of it, joined to the relay over QUIC.
 type simAgent struct {
 	eng   *simengine.Server
-	agent *agent.Agent
+	agent *relaytest.Agent
 	stop  func()
 }
 
-// runSimEngine starts a fast sim engine on a loopback port; stop (which
-// may be called once) ends it and waits for it.
-func runSimEngine(t testing.TB) (eng *simengine.Server, stop func()) {
-	t.Helper()
-	return runSimEngineWith(t, simengine.Config{TimeScale: 200, DefaultMaxTokens: 8})
-}
+// fastSim is a sim engine that answers fast: a few tokens, 200 times
+// real speed.
+var fastSim = simengine.Config{TimeScale: 200, DefaultMaxTokens: 8}
 
-// runSimEngineWith starts a sim engine configured by cfg on a loopback
-// port; stop (which may be called once) ends it and waits for it.
-func runSimEngineWith(t testing.TB, cfg simengine.Config) (eng *simengine.Server, stop func()) {
+func startSimAgent(t testing.TB, rl *relaytest.Relay, name string) *simAgent {
 	t.Helper()
-	cfg.Listen = "127.0.0.1:0"
-	eng, err := simengine.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := eng.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- eng.Run(ctx) }()
-	return eng, func() { cancel(); <-done }
-}
-
-func startSimAgent(t testing.TB, rl *itRelay, name string) *simAgent {
-	t.Helper()
-	eng, stopEngine := runSimEngine(t)
-	a, err := agent.New(agent.Config{
-		Relay:        rl.r.Addrs()[0].String(),
+	eng, stopEngine := relaytest.RunSimEngine(t, fastSim)
+	a := relaytest.RunAgent(t, agent.Config{
+		Relay:        rl.Relay.Addrs()[0].String(),
 		Token:        itToken,
 		Upstream:     eng.URL(),
 		Name:         name,
@@ -65,13 +45,6 @@ func startSimAgent(t testing.TB, rl *itRelay, name string) *simAgent {
 		MaxBackoff:   500 * time.Millisecond,
 		DrainTimeout: 2 * time.Second,
 	})
-	if err != nil {
-		stopEngine()
-		t.Fatal(err)
-	}
-	actx, acancel := context.WithCancel(context.Background())
-	adone := make(chan error, 1)
-	go func() { adone <- a.Run(actx) }()
 	sa := &simAgent{eng: eng, agent: a}
 	stopped := false
 	sa.stop = func() {
@@ -79,8 +52,7 @@ func startSimAgent(t testing.TB, rl *itRelay, name string) *simAgent {
 			return
 		}
 		stopped = true
-		acancel()
-		<-adone
+		a.Stop()
 		stopEngine()
 	}
 	t.Cleanup(sa.stop)
@@ -89,7 +61,7 @@ func startSimAgent(t testing.TB, rl *itRelay, name string) *simAgent {
 
 // waitResponsesAgents waits until the named agents are joined listing the
 // Responses API.
-func waitResponsesAgents(t testing.TB, rl *itRelay, sas ...*simAgent) {
+func waitResponsesAgents(t testing.TB, rl *relaytest.Relay, sas ...*simAgent) {
 	t.Helper()
 	waitFor(t, "agents recognised their engines", func() bool {
 		for _, sa := range sas {
@@ -146,14 +118,14 @@ func TestResponsesThroughRealParts(t *testing.T) {
 		Usage usage  `json:"usage"`
 	}
 	sys := simengine.Filler(1, 400)
-	resp, b := postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"instructions":%q,"input":"Hello"}`, simengine.DefaultModel, sys))
+	resp, b := postJSON(t, rl.URL+"/v1/responses", fmt.Sprintf(`{"model":%q,"instructions":%q,"input":"Hello"}`, simengine.DefaultModel, sys))
 	if resp.StatusCode != http.StatusOK || json.Unmarshal(b, &r) != nil || r.ID == "" {
 		t.Fatalf("first turn: %d %s", resp.StatusCode, b)
 	}
 	home := resp.Header.Get("X-ComputeFlux-Agent")
 	for turn := 1; turn <= 4; turn++ {
 		stream := turn%2 == 0
-		resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"turn %d","previous_response_id":%q,"stream":%v}`,
+		resp, b = postJSON(t, rl.URL+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"turn %d","previous_response_id":%q,"stream":%v}`,
 			simengine.DefaultModel, turn, r.ID, stream))
 		if resp.StatusCode != http.StatusOK || resp.Header.Get("X-ComputeFlux-Agent") != home {
 			t.Fatalf("turn %d: %d on %s (home %s): %s", turn, resp.StatusCode, resp.Header.Get("X-ComputeFlux-Agent"), home, b)
@@ -185,7 +157,7 @@ func TestResponsesThroughRealParts(t *testing.T) {
 		}
 	}
 	// GET through the relay reaches the holder.
-	req, _ := http.NewRequest(http.MethodGet, rl.url+"/v1/responses/"+r.ID, nil)
+	req, _ := http.NewRequest(http.MethodGet, rl.URL+"/v1/responses/"+r.ID, nil)
 	req.Header.Set("Authorization", "Bearer "+itKey)
 	gr, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -201,23 +173,23 @@ func TestResponsesThroughRealParts(t *testing.T) {
 	// answer without the context.
 	sas[home].stop()
 	waitFor(t, "holder gone", func() bool {
-		for _, a := range rl.r.Registry().Agents() {
+		for _, a := range rl.Relay.Registry().Agents() {
 			if a.Name == home {
 				return false
 			}
 		}
 		return true
 	})
-	resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"again","previous_response_id":%q}`, simengine.DefaultModel, r.ID))
+	resp, b = postJSON(t, rl.URL+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"again","previous_response_id":%q}`, simengine.DefaultModel, r.ID))
 	if resp.StatusCode != http.StatusNotFound || !strings.Contains(string(b), `"code":"previous_response_not_found"`) {
 		t.Fatalf("after the holder left: %d %s", resp.StatusCode, b)
 	}
 	// A fresh conversation still works on the others.
-	if resp, b = postJSON(t, rl.url+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"new"}`, simengine.DefaultModel)); resp.StatusCode != http.StatusOK {
+	if resp, b = postJSON(t, rl.URL+"/v1/responses", fmt.Sprintf(`{"model":%q,"input":"new"}`, simengine.DefaultModel)); resp.StatusCode != http.StatusOK {
 		t.Fatalf("new conversation: %d %s", resp.StatusCode, b)
 	}
 	// The sim engine does not serve /v1/messages: the relay translates.
-	if resp, b = postJSON(t, rl.url+"/v1/messages", fmt.Sprintf(`{"model":%q,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, simengine.DefaultModel)); resp.StatusCode != http.StatusOK ||
+	if resp, b = postJSON(t, rl.URL+"/v1/messages", fmt.Sprintf(`{"model":%q,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, simengine.DefaultModel)); resp.StatusCode != http.StatusOK ||
 		!strings.Contains(string(b), `"stop_reason":"max_tokens"`) {
 		t.Fatalf("/v1/messages: %d %s", resp.StatusCode, b)
 	}
@@ -237,7 +209,7 @@ func TestOpenAINodeResponses(t *testing.T) {
 	rl := startRelay(t, "", "")
 	a, b := startSimAgent(t, rl, "n1"), startSimAgent(t, rl, "n2")
 	waitResponsesAgents(t, rl, a, b)
-	out := runNodeScript(ctx, t, "openai_responses.mjs", dir, "RELAY_URL="+rl.url, "API_KEY="+itKey, "MODEL="+simengine.DefaultModel)
+	out := runNodeScript(ctx, t, "openai_responses.mjs", dir, "RELAY_URL="+rl.URL, "API_KEY="+itKey, "MODEL="+simengine.DefaultModel)
 	var got struct {
 		Text, StreamedText, SecondText string
 		ID, StreamedID, SecondPrev     string

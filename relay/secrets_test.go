@@ -12,6 +12,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/agent"
+	"github.com/computeflux/computeflux/relay/relaytest"
 )
 
 // lockedBuffer collects logs written from many goroutines.
@@ -46,13 +47,13 @@ func TestSecretsNeverLogged(t *testing.T) {
 	logs := &lockedBuffer{}
 	log := zerolog.New(logs).Level(zerolog.TraceLevel)
 	rl := startRelayLogger(t, log.With().Str("side", "relay").Logger())
-	eng := newITEngine(t, "e1", "m1")
+	eng := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "e1"})
 
 	runAgent := func(name, token string) (*agent.Agent, func()) {
 		a, err := agent.New(agent.Config{
-			Relay:          rl.r.Addrs()[0].String(),
+			Relay:          rl.Relay.Addrs()[0].String(),
 			Token:          token,
-			Upstream:       eng.srv.URL,
+			Upstream:       eng.URL(),
 			UpstreamAPIKey: upstreamKey,
 			Name:           name,
 			ListenAddrs:    []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
@@ -75,7 +76,7 @@ func TestSecretsNeverLogged(t *testing.T) {
 	_, stopBad := runAgent("intruder", wrongToken)
 	defer stopBad()
 
-	c := newClient(t, rl.url)
+	c := newClient(t, rl.URL)
 	waitFor(t, "good agent routable", func() bool { return len(c.models()) == 1 })
 	waitFor(t, "a refused join logged", func() bool { return strings.Contains(logs.String(), "join failed") })
 
@@ -106,7 +107,7 @@ func TestSecretsNeverLogged(t *testing.T) {
 	}
 	stopGood()
 	stopBad()
-	rl.stop()
+	rl.Stop()
 
 	out := logs.String()
 	for _, must := range []string{`"side":"relay"`, `"side":"agent"`, "agent joined", "request", "join failed"} {

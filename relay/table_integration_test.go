@@ -15,6 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 )
 
 // One routing table through the real parts: two package-agent agents over
@@ -42,24 +43,24 @@ func TestTableAgentsAndProvider(t *testing.T) {
 		t.Fatal(err)
 	}
 	logs := &syncWriter{w: &strings.Builder{}}
-	rl := serveRelay(t, relay.Config{
+	rl := relaytest.ServeRelay(t, relay.Config{
 		P2PListen: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Token: []byte(itToken), APIKeys: []string{itKey},
 		EndpointsFile: ef, ProviderTransport: tr, Logger: zerolog.New(logs),
 	})
 	for _, n := range []string{"gpu1", "gpu2"} {
-		startRealAgent(t, rl, n, newITEngine(t, n, "m1"))
+		startRealAgent(t, rl, n, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n}).URL())
 	}
 	waitAgents(t, rl, "gpu1", "gpu2")
 	// Idle agents, no request yet: the liveness probe measures the RTT.
 	waitFor(t, "the agents' RTT", func() bool {
-		for _, row := range rl.r.Table() {
+		for _, row := range rl.Relay.Table() {
 			if row.Kind == "agent" && (row.Path != "direct" || row.RTTMillis <= 0) {
 				return false
 			}
 		}
 		return true
 	})
-	c := newClient(t, rl.url)
+	c := newClient(t, rl.URL)
 	for i := range 10 {
 		if code, agent := c.chat("m1", fmt.Sprintf("s%d", i)); code != http.StatusOK || !strings.HasPrefix(agent, "gpu") {
 			t.Fatalf("home up: %d from %s", code, agent)
@@ -69,7 +70,7 @@ func TestTableAgentsAndProvider(t *testing.T) {
 		t.Fatalf("the provider got %d requests while home had room", provHits.Load())
 	}
 	for _, n := range []string{"gpu1", "gpu2"} {
-		if err := rl.r.SetAdmin(n, "disable", 0); err != nil {
+		if err := rl.Relay.SetAdmin(n, "disable", 0); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -79,7 +80,7 @@ func TestTableAgentsAndProvider(t *testing.T) {
 		}
 	}
 	for _, n := range []string{"gpu1", "gpu2"} {
-		if err := rl.r.SetAdmin(n, "enable", 0); err != nil {
+		if err := rl.Relay.SetAdmin(n, "enable", 0); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -82,6 +82,10 @@ type Config struct {
 // the one way the tests wait for what other goroutines or processes do.
 var Eventually = poll.Eventually
 
+// Within is Eventually with a limit of the caller's; it returns how long
+// cond took to hold.
+var Within = poll.Within
+
 func (c *Config) populate() {
 	if c.Engines == 0 {
 		c.Engines = DefaultEngines

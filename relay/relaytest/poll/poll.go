@@ -22,16 +22,20 @@ const Interval = 5 * time.Millisecond
 // "timed out waiting for what" when it still does not after Timeout.
 func Eventually(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	within(t, Timeout, what, cond)
+	Within(t, Timeout, what, cond)
 }
 
-func within(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+// Within is Eventually with a limit of the caller's, for waits that take
+// longer than Timeout by design (gossip's failure detection at a
+// preset's timings); it returns how long cond took to hold.
+func Within(t testing.TB, limit time.Duration, what string, cond func() bool) time.Duration {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
+	start := time.Now()
 	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
+		if time.Since(start) > limit {
+			t.Fatalf("timed out after %v waiting for %s", limit, what)
 		}
 		time.Sleep(Interval)
 	}
+	return time.Since(start)
 }

@@ -31,7 +31,7 @@ func (f *fakeTB) Fatalf(format string, args ...any) {
 	panic(f)
 }
 
-func TestEventuallyFailsAfterTimeout(t *testing.T) {
+func TestWithinFailsAfterItsLimit(t *testing.T) {
 	f := &fakeTB{TB: t}
 	start := time.Now()
 	func() {
@@ -40,9 +40,9 @@ func TestEventuallyFailsAfterTimeout(t *testing.T) {
 				t.Fatalf("recovered %v", r)
 			}
 		}()
-		within(f, 50*time.Millisecond, "nothing", func() bool { return false })
+		Within(f, 50*time.Millisecond, "nothing", func() bool { return false })
 	}()
-	if f.failed != "timed out waiting for %s" || time.Since(start) < 50*time.Millisecond {
+	if f.failed != "timed out after %v waiting for %s" || time.Since(start) < 50*time.Millisecond {
 		t.Fatalf("failed %q after %v", f.failed, time.Since(start))
 	}
 }
