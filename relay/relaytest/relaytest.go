@@ -5,7 +5,9 @@
 // HTTP on loopback ports. Faults are injected the way they happen: an agent
 // is killed by dropping every packet of its host (no goodbye reaches
 // anyone), the relay restarts on the same identity and ports, an engine
-// slows down, an engine and its agent join mid-run.
+// slows down, an engine and its agent join mid-run. Tests that put a fleet
+// together themselves take its parts (parts.go): ServeRelay, RunAgent,
+// FakeEngine and RunSimEngine.
 package relaytest
 
 import (
