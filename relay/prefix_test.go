@@ -250,9 +250,9 @@ func TestPrefixIndexRouting(t *testing.T) {
 	// A leaving agent takes its entries with it.
 	before := rl.Relay.Scheduler().IndexStats().Entries
 	holder.Stop()
-	waitFor(t, "the holder's entries dropped", func() bool {
+	waitFor(t, "the holder's registration and entries dropped", func() bool {
 		st := rl.Relay.Scheduler().IndexStats()
-		return st.Entries < before && st.Entries < 64
+		return st.Entries < before && st.Entries < 64 && !rl.Relay.Registry().IsJoined(holder.ID())
 	})
 	if id, cached := probe(rl, chatBody(system, "after the holder left")); id == first || cached > 2 {
 		t.Fatalf("after the holder left: %s believed to hold %d blocks", id, cached)
