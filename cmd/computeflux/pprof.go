@@ -7,7 +7,8 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"os"
-	"time"
+
+	"github.com/computeflux/computeflux/relay"
 )
 
 // envPprof names a loopback address on which any subcommand serves
@@ -41,7 +42,7 @@ func servePprof(addr string) error {
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: relay.DefaultReadHeaderTimeout}
 	go srv.Serve(ln) //nolint:errcheck // lives until the process exits
 	return nil
 }

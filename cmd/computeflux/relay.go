@@ -36,6 +36,7 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	var acme *certs.ACME
 	if files.acme != nil {
 		files.acme.Logger = cfg.Logger.With().Str("component", "acme").Logger()
+		files.acme.ReadHeaderTimeout = cmp.Or(cfg.ReadHeaderTimeout, relay.DefaultReadHeaderTimeout)
 		// Before anything starts: a cache it cannot write is a start-up error.
 		if acme, err = certs.NewACME(*files.acme); err != nil {
 			return err

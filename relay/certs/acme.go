@@ -47,6 +47,10 @@ type ACMEConfig struct {
 	// RenewBefore is how long before a certificate expires it is renewed,
 	// at most 30 days. Zero means a third of its lifetime, at most 30 days.
 	RenewBefore time.Duration
+	// ReadHeaderTimeout bounds how long the plain-HTTP side (ServeHTTP)
+	// waits for a request's headers: the relay gives the one of its API
+	// listener. It must be positive.
+	ReadHeaderTimeout time.Duration
 	// Logger gets the certificates obtained and the errors.
 	Logger zerolog.Logger
 }
@@ -88,6 +92,9 @@ func NewACME(cfg ACMEConfig) (*ACME, error) {
 	}
 	if cfg.RenewBefore < 0 {
 		return nil, errors.New("relay: ACME renew-before must not be negative")
+	}
+	if cfg.ReadHeaderTimeout <= 0 {
+		return nil, errors.New("relay: ACME needs a positive header timeout")
 	}
 	if err := writableDir(cfg.CacheDir); err != nil {
 		return nil, fmt.Errorf("relay: ACME certificate cache: %w", err)
@@ -233,7 +240,7 @@ func (a *ACME) ServeHTTP(ctx context.Context, ln net.Listener, httpsPort int) er
 	redirect := func(w http.ResponseWriter, r *http.Request) { a.redirect(w, r, httpsPort) }
 	srv := &http.Server{
 		Handler:           a.m.HTTPHandler(http.HandlerFunc(redirect)),
-		ReadHeaderTimeout: 10 * time.Second,
+		ReadHeaderTimeout: a.cfg.ReadHeaderTimeout,
 		ReadTimeout:       30 * time.Second,
 		WriteTimeout:      30 * time.Second,
 		IdleTimeout:       time.Minute,

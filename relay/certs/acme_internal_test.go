@@ -7,12 +7,13 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // The HTTP side's redirect: same path and query, the host named if it is
 // one of the domains (else the first), the HTTPS port unless 443.
 func TestACMERedirect(t *testing.T) {
-	a, err := NewACME(ACMEConfig{Domains: []string{"Relay.Example.com", "b.example.com"}, CacheDir: filepath.Join(t.TempDir(), "acme")})
+	a, err := NewACME(ACMEConfig{ReadHeaderTimeout: time.Second, Domains: []string{"Relay.Example.com", "b.example.com"}, CacheDir: filepath.Join(t.TempDir(), "acme")})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -41,21 +42,21 @@ func TestACMERedirect(t *testing.T) {
 
 func TestNewACMEChecks(t *testing.T) {
 	dir := t.TempDir()
-	if _, err := NewACME(ACMEConfig{CacheDir: dir}); err == nil {
+	if _, err := NewACME(ACMEConfig{ReadHeaderTimeout: time.Second, CacheDir: dir}); err == nil {
 		t.Error("no domain accepted")
 	}
-	if _, err := NewACME(ACMEConfig{Domains: []string{"relay.example.com"}, CacheDir: dir, DirectoryURL: "http://ca.example/dir"}); err == nil {
+	if _, err := NewACME(ACMEConfig{ReadHeaderTimeout: time.Second, Domains: []string{"relay.example.com"}, CacheDir: dir, DirectoryURL: "http://ca.example/dir"}); err == nil {
 		t.Error("a plain-HTTP directory accepted")
 	}
 	file := filepath.Join(dir, "file")
 	if err := os.WriteFile(file, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	_, err := NewACME(ACMEConfig{Domains: []string{"relay.example.com"}, CacheDir: filepath.Join(file, "acme")})
+	_, err := NewACME(ACMEConfig{ReadHeaderTimeout: time.Second, Domains: []string{"relay.example.com"}, CacheDir: filepath.Join(file, "acme")})
 	if err == nil || !strings.Contains(err.Error(), "certificate cache") {
 		t.Errorf("an uncreatable cache: %v", err)
 	}
-	a, err := NewACME(ACMEConfig{Domains: []string{"relay.example.com"}, CacheDir: filepath.Join(dir, "acme-ok")})
+	a, err := NewACME(ACMEConfig{ReadHeaderTimeout: time.Second, Domains: []string{"relay.example.com"}, CacheDir: filepath.Join(dir, "acme-ok")})
 	if err != nil {
 		t.Fatal(err)
 	}
