@@ -1,13 +1,14 @@
 // Package relaytest runs a whole ComputeFlux cluster in one process for
 // tests, benchmarks and demos: simulated engines, one agent per engine and
-// a relay, all real: the agents are package agent's, joined to the relay
-// over QUIC on 127.0.0.1 with gossip, the engines and the relay serve real
-// HTTP on loopback ports. Faults are injected the way they happen: an agent
-// is killed by dropping every packet of its host (no goodbye reaches
-// anyone), the relay restarts on the same identity and ports, an engine
-// slows down, an engine and its agent join mid-run. Tests that put a fleet
-// together themselves take its parts (parts.go): ServeRelay, RunAgent,
-// FakeEngine and RunSimEngine.
+// one or more relays, all real: the agents are package agent's, joined to
+// every relay over QUIC on 127.0.0.1 with gossip, the engines and the
+// relays serve real HTTP on loopback ports. Faults are injected the way
+// they happen: an agent is killed by dropping every packet of its host (no
+// goodbye reaches anyone), the relay restarts on the same identity and
+// ports, an engine slows down, an engine and its agent join mid-run. Tests
+// that put a fleet together themselves take its parts (parts.go):
+// ServeRelay, AgentConfig and RunAgent (whose Kill is the same silent
+// death), FakeEngine and RunSimEngine.
 package relaytest
 
 import (
@@ -47,6 +48,10 @@ const (
 // Config configures a Cluster. The zero value of every field means the
 // default in its comment.
 type Config struct {
+	// Relays is the number of relays. Default 1. With more, every agent
+	// joins each of them, and they share sessions and spending (they find
+	// each other through the agents); RestartRelay restarts the first.
+	Relays int
 	// Engines is the number of engines (each with its agent) at start.
 	// Default 3; 0 is not possible, use AddEngine for more later.
 	Engines int
@@ -92,6 +97,7 @@ func (c *Config) populate() {
 	if c.Engines == 0 {
 		c.Engines = DefaultEngines
 	}
+	c.Relays = max(c.Relays, 1)
 	if c.JoinTimeout == 0 {
 		c.JoinTimeout = DefaultJoinTimeout
 	}
@@ -117,16 +123,20 @@ type Cluster struct {
 	ownDir bool
 	log    zerolog.Logger
 
-	mu       sync.Mutex // guards the following fields
+	mu      sync.Mutex // guards the following fields
+	relays  []*relayNode
+	engines []*Engine
+	closed  bool
+}
+
+// relayNode is one relay of a Cluster, its addresses kept across restarts.
+type relayNode struct {
 	relay    *relay.Relay
-	relayID  peer.ID
-	relayMA  []multiaddr.Multiaddr
-	httpAddr string // the relay's HTTP listen address (kept across restarts)
-	p2pAddr  string // its QUIC listen multiaddr (kept across restarts)
-	stopRel  context.CancelFunc
-	relDone  chan error
-	engines  []*Engine
-	closed   bool
+	id       peer.ID
+	httpAddr string // the HTTP listen address
+	p2pAddr  string // the QUIC listen multiaddr
+	stop     context.CancelFunc
+	done     chan error
 }
 
 // Engine is one simulated engine and its agent.
@@ -170,11 +180,12 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 		}
 		c.dir, c.ownDir = d, true
 	}
-	c.httpAddr = "127.0.0.1:0"
-	c.p2pAddr = "/ip4/127.0.0.1/udp/0/quic-v1"
-	if err := c.startRelay(); err != nil {
-		c.Close()
-		return nil, err
+	for i := range cfg.Relays {
+		c.relays = append(c.relays, &relayNode{httpAddr: "127.0.0.1:0", p2pAddr: "/ip4/127.0.0.1/udp/0/quic-v1"})
+		if err := c.startRelay(i); err != nil {
+			c.Close()
+			return nil, err
+		}
 	}
 	for range cfg.Engines {
 		if _, err := c.AddEngine(ctx); err != nil {
@@ -182,24 +193,57 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 			return nil, err
 		}
 	}
+	if err := c.waitPeered(ctx); err != nil {
+		c.Close()
+		return nil, err
+	}
 	return c, nil
 }
 
-// URL returns the relay's base URL, e.g. "http://127.0.0.1:41234".
-func (c *Cluster) URL() string {
+// waitPeered waits until every relay shares sessions with every other.
+func (c *Cluster) waitPeered(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.JoinTimeout)
+	defer cancel()
+	rs := c.Relays()
+	return poll.Until(ctx, func() bool {
+		for _, r := range rs {
+			if len(r.PeerRelays()) < len(rs)-1 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// URL returns the (first) relay's base URL, e.g. "http://127.0.0.1:41234".
+func (c *Cluster) URL() string { return c.URLs()[0] }
+
+// URLs returns every relay's base URL, the first relay's first.
+func (c *Cluster) URLs() []string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return "http://" + c.httpAddr
+	urls := make([]string, len(c.relays))
+	for i, n := range c.relays {
+		urls[i] = "http://" + n.httpAddr
+	}
+	return urls
 }
 
 // APIKey returns the client key the relay accepts.
 func (c *Cluster) APIKey() string { return c.cfg.APIKey }
 
-// Relay returns the current relay (a new one after RestartRelay).
-func (c *Cluster) Relay() *relay.Relay {
+// Relay returns the current (first) relay: a new one after RestartRelay.
+func (c *Cluster) Relay() *relay.Relay { return c.Relays()[0] }
+
+// Relays returns every relay, the first first.
+func (c *Cluster) Relays() []*relay.Relay {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.relay
+	rs := make([]*relay.Relay, len(c.relays))
+	for i, n := range c.relays {
+		rs[i] = n.relay
+	}
+	return rs
 }
 
 // Engines returns the engines in the order they were added.
@@ -216,14 +260,19 @@ func (c *Cluster) Engine(i int) *Engine {
 	return c.engines[i]
 }
 
-// startRelay starts a relay on c's identity and addresses; with port 0 it
+// startRelay starts relay i on its identity and addresses; with port 0 it
 // records the ports it got, so a restart reuses them.
-func (c *Cluster) startRelay() error {
+func (c *Cluster) startRelay(i int) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	n := c.relays[i]
+	idFile := "relay.key"
+	if i > 0 {
+		idFile = fmt.Sprintf("relay-%d.key", i)
+	}
 	r, err := relay.New(relay.Config{
-		P2PListen:    []string{c.p2pAddr},
-		IdentityFile: filepath.Join(c.dir, "relay.key"),
+		P2PListen:    []string{n.p2pAddr},
+		IdentityFile: filepath.Join(c.dir, idFile),
 		Token:        c.cfg.Token,
 		APIKeys:      []string{c.cfg.APIKey},
 		Policy:       c.cfg.Policy,
@@ -241,7 +290,7 @@ func (c *Cluster) startRelay() error {
 	}
 	var ln net.Listener
 	for deadline := time.Now().Add(5 * time.Second); ; {
-		ln, err = net.Listen("tcp", c.httpAddr)
+		ln, err = net.Listen("tcp", n.httpAddr)
 		if err == nil || time.Now().After(deadline) {
 			break
 		}
@@ -251,27 +300,28 @@ func (c *Cluster) startRelay() error {
 		_ = r.Close()
 		return fmt.Errorf("relaytest: relay listen: %w", err)
 	}
-	c.httpAddr = ln.Addr().String()
+	n.httpAddr = ln.Addr().String()
 	h := r.Host()
 	for _, a := range h.Addrs() {
 		if _, err := a.ValueForProtocol(multiaddr.P_QUIC_V1); err == nil {
-			c.p2pAddr = a.String()
+			n.p2pAddr = a.String()
 			break
 		}
 	}
-	c.relay, c.relayID, c.relayMA = r, h.ID(), h.Addrs()
+	n.relay, n.id = r, h.ID()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- r.Serve(ctx, ln) }()
-	c.stopRel, c.relDone = cancel, done
+	n.stop, n.done = cancel, done
 	return nil
 }
 
-// stopRelayLocked stops the relay (Serve closes it and its host).
-func (c *Cluster) stopRelay() {
+// stopRelay stops relay i (Serve closes it and its host).
+func (c *Cluster) stopRelay(i int) {
 	c.mu.Lock()
-	cancel, done := c.stopRel, c.relDone
-	c.stopRel, c.relDone = nil, nil
+	n := c.relays[i]
+	cancel, done := n.stop, n.done
+	n.stop, n.done = nil, nil
 	c.mu.Unlock()
 	if cancel != nil {
 		cancel()
@@ -279,13 +329,13 @@ func (c *Cluster) stopRelay() {
 	}
 }
 
-// RestartRelay stops the relay and starts a new one with the same identity
-// and the same HTTP and QUIC ports, then waits until every live agent has
-// joined it again. Sessions' affinity starts afresh, as after a real
-// restart.
+// RestartRelay stops the (first) relay and starts a new one with the same
+// identity and the same HTTP and QUIC ports, then waits until every live
+// agent has joined it again. Sessions' affinity starts afresh, as after a
+// real restart.
 func (c *Cluster) RestartRelay(ctx context.Context) error {
-	c.stopRelay()
-	if err := c.startRelay(); err != nil {
+	c.stopRelay(0)
+	if err := c.startRelay(0); err != nil {
 		return err
 	}
 	for _, e := range c.Engines() {
@@ -408,7 +458,9 @@ func (c *Cluster) Close() error {
 			<-killed
 		}
 	}
-	c.stopRelay()
+	for i := range c.relays {
+		c.stopRelay(i)
+	}
 	for _, e := range engines {
 		e.stopEng()
 		if err := <-e.engDone; err != nil {
@@ -421,29 +473,33 @@ func (c *Cluster) Close() error {
 	return errors.Join(errs...)
 }
 
-// relayInfo returns the relay's peer ID and addresses.
-func (c *Cluster) relayInfo() peer.AddrInfo {
+// relayAddrs returns the relays' QUIC multiaddrs with their peer IDs.
+func (c *Cluster) relayAddrs() []string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return peer.AddrInfo{ID: c.relayID, Addrs: c.relayMA}
+	addrs := make([]string, len(c.relays))
+	for i, n := range c.relays {
+		addrs[i] = n.p2pAddr + "/p2p/" + n.id.String()
+	}
+	return addrs
 }
 
-// waitJoined polls the relay's registry until name is held by p.
+// waitJoined polls every relay's registry until name is held by p there.
 func (c *Cluster) waitJoined(ctx context.Context, name string, p peer.ID) error {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.JoinTimeout)
 	defer cancel()
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		if got, ok := c.Relay().Registry().Peer(name); ok && got == p {
-			return nil
+	err := poll.Until(ctx, func() bool {
+		for _, r := range c.Relays() {
+			if got, ok := r.Registry().Peer(name); !ok || got != p {
+				return false
+			}
 		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("relaytest: %s did not join: %w", name, ctx.Err())
-		case <-tick.C:
-		}
+		return true
+	})
+	if err != nil {
+		return fmt.Errorf("relaytest: %s did not join: %w", name, err)
 	}
+	return nil
 }
 
 // startAgent starts e's agent (if not running) and waits until it joined.
@@ -461,15 +517,9 @@ func (e *Engine) startAgent(ctx context.Context) error {
 		e.mu.Lock()
 		e.killed = nil
 	}
-	ri := e.c.relayInfo()
-	addrs, err := peer.AddrInfoToP2pAddrs(&ri)
-	if err != nil || len(addrs) == 0 {
-		e.mu.Unlock()
-		return fmt.Errorf("relaytest: relay address: %v", err)
-	}
 	pf := &packetFilter{}
 	a, err := agentpkg.New(agentpkg.Config{
-		Relay:          addrs[0].String(),
+		Relays:         e.c.relayAddrs(),
 		Token:          string(e.c.cfg.Token),
 		Upstream:       e.Server.URL(),
 		Name:           e.Name,

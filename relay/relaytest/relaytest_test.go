@@ -22,9 +22,15 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // the serving agent, the affinity header and the cached tokens from usage.
 func chat(t *testing.T, c *relaytest.Cluster, session, text string) (agent, affinity string, cached int) {
 	t.Helper()
+	return chatVia(t, c.URL(), c.APIKey(), session, text)
+}
+
+// chatVia is chat through the relay at url.
+func chatVia(t *testing.T, url, key, session, text string) (agent, affinity string, cached int) {
+	t.Helper()
 	body := fmt.Sprintf(`{"model":%q,"stream":true,"stream_options":{"include_usage":true},"max_tokens":20,"messages":[{"role":"user","content":%q}]}`, simengine.DefaultModel, text)
-	req, _ := http.NewRequest("POST", c.URL()+"/v1/chat/completions", strings.NewReader(body))
-	req.Header.Set("Authorization", "Bearer "+c.APIKey())
+	req, _ := http.NewRequest("POST", url+"/v1/chat/completions", strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+key)
 	req.Header.Set("X-Session-ID", session)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -116,6 +122,48 @@ func TestCluster(t *testing.T) {
 		t.Fatalf("AddEngine = %d, %v", i, err)
 	}
 	waitAgents(t, c, 3)
+}
+
+// Several relays: every agent joins each and the relays peer, so a
+// conversation's turns through different relays stay on one agent and hit
+// its cache (by the shared session or the agents' prefix indexes).
+func TestClusterOfRelays(t *testing.T) {
+	ctx := context.Background()
+	c, err := relaytest.Start(ctx, relaytest.Config{Relays: 3, Engines: 3, Engine: simengine.Config{TimeScale: 100}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	urls := c.URLs()
+	if len(urls) != 3 || len(c.Relays()) != 3 || urls[0] != c.URL() {
+		t.Fatalf("URLs %v, %d relays", urls, len(c.Relays()))
+	}
+	for i, r := range c.Relays() {
+		if n := len(r.Registry().Agents()); n != 3 {
+			t.Fatalf("relay %d holds %d agents, want 3", i, n)
+		}
+		if n := len(r.PeerRelays()); n != 2 {
+			t.Fatalf("relay %d shares with %d relays, want 2", i, n)
+		}
+	}
+	text := simengine.Filler(11, 400)
+	for s := range 6 {
+		session := fmt.Sprintf("s%d", s)
+		first, _, _ := chatVia(t, urls[0], c.APIKey(), session, text)
+		for i, u := range urls[1:] {
+			// What relay 0 learnt reaches the others within moments;
+			// until it has, a relay may place the turn anew.
+			var got string
+			var cached int
+			relaytest.Eventually(t, fmt.Sprintf("relay %d to send %s to %s", i+1, session, first), func() bool {
+				got, _, cached = chatVia(t, u, c.APIKey(), session, text)
+				return got == first
+			})
+			if cached == 0 {
+				t.Fatalf("%s through relay %d on %s: nothing cached", session, i+1, got)
+			}
+		}
+	}
 }
 
 func waitAgents(t *testing.T, c *relaytest.Cluster, n int) {

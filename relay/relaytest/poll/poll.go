@@ -5,6 +5,7 @@
 package poll
 
 import (
+	"context"
 	"testing"
 	"time"
 )
@@ -38,4 +39,20 @@ func Within(t testing.TB, limit time.Duration, what string, cond func() bool) ti
 		time.Sleep(Interval)
 	}
 	return time.Since(start)
+}
+
+// Until checks cond every Interval until it holds (nil) or ctx ends (its
+// error): the same wait for code that has a context and no test, such as a
+// benchmark's cluster.
+func Until(ctx context.Context, cond func() bool) error {
+	tick := time.NewTicker(Interval)
+	defer tick.Stop()
+	for !cond() {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick.C:
+		}
+	}
+	return nil
 }

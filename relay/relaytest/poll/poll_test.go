@@ -1,6 +1,8 @@
 package poll
 
 import (
+	"context"
+	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -44,5 +46,17 @@ func TestWithinFailsAfterItsLimit(t *testing.T) {
 	}()
 	if f.failed != "timed out after %v waiting for %s" || time.Since(start) < 50*time.Millisecond {
 		t.Fatalf("failed %q after %v", f.failed, time.Since(start))
+	}
+}
+
+func TestUntilEndsWithTheConditionOrTheContext(t *testing.T) {
+	checks := 0
+	if err := Until(context.Background(), func() bool { checks++; return checks == 3 }); err != nil || checks != 3 {
+		t.Fatalf("Until returned %v after %d checks, want nil after 3", err, checks)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+	defer cancel()
+	if err := Until(ctx, func() bool { return false }); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Until on a condition that never holds returned %v", err)
 	}
 }

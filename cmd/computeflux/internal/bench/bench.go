@@ -183,8 +183,8 @@ type Config struct {
 	NoPooled bool
 	// Relays is the number of relays requests are spread over at random
 	// (sim: one scheduler per relay sharing bindings as relays do; live:
-	// real relays and package agents, every agent joined to all, steady
-	// scenario only). 0 means one relay (live: the relaytest cluster).
+	// the relaytest cluster with that many real relays, every agent joined
+	// to all, steady scenario only). 0 means one relay.
 	Relays int
 	// PeerDelay is the model time a binding takes from one relay to the
 	// others in sim mode. 0 means DefaultPeerDelay.

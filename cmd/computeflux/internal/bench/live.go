@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net/http"
 	"slices"
 	"strconv"
@@ -18,7 +19,6 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/agent/simengine"
-	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/scheduler"
 )
@@ -27,8 +27,8 @@ import (
 type liveRun struct {
 	cfg    *Config
 	w      *Workload
-	c      *relaytest.Cluster // nil with Config.Relays (lr instead)
-	lr     *liveRelays
+	c      *relaytest.Cluster
+	urls   []string // the relays' URLs, requests spread over them at random
 	client *http.Client
 	start  time.Time
 	sent   atomic.Int64
@@ -52,18 +52,8 @@ func runLive(ctx context.Context, cfg *Config, w *Workload, p scheduler.Policy) 
 	ec.Seed = cfg.Seed
 	tr := &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, IdleConnTimeout: 30 * time.Second}
 	defer tr.CloseIdleConnections()
-	if cfg.Relays > 0 {
-		lr, err := startLiveRelays(ctx, cfg, p)
-		if err != nil {
-			return Result{}, err
-		}
-		defer lr.Close()
-		r := &liveRun{cfg: cfg, w: w, lr: lr, client: &http.Client{Transport: tr}, start: time.Now()}
-		res, err := r.drive(ctx, p, wall)
-		lr.traffic(&res)
-		return res, err
-	}
 	c, err := relaytest.Start(ctx, relaytest.Config{
+		Relays:      cfg.Relays,
 		Engines:     engines,
 		Engine:      simengine.Config{Models: []string{cfg.Model}, TimeScale: cfg.TimeScale, Engine: ec},
 		Policy:      p,
@@ -75,8 +65,34 @@ func runLive(ctx context.Context, cfg *Config, w *Workload, p scheduler.Policy) 
 		return Result{}, err
 	}
 	defer c.Close()
-	r := &liveRun{cfg: cfg, w: w, c: c, client: &http.Client{Transport: tr}, start: time.Now()}
-	return r.drive(ctx, p, wall)
+	r := &liveRun{cfg: cfg, w: w, c: c, urls: c.URLs(), client: &http.Client{Transport: tr}, start: time.Now()}
+	res, err := r.drive(ctx, p, wall)
+	if cfg.Relays > 0 {
+		r.peerTraffic(&res)
+	}
+	return res, err
+}
+
+// errRelaysScenario refuses a live run of several relays with a fault
+// scenario: the faults are the one relay's.
+var errRelaysScenario = errors.New("several live relays run the steady scenario only")
+
+// peerTraffic reports the sessions protocol traffic between the relays:
+// the bindings sent, and the bytes each relay sent per second of real time
+// since the cluster was ready.
+func (r *liveRun) peerTraffic(res *Result) {
+	var bytes, updates uint64
+	relays := r.c.Relays()
+	for _, rl := range relays {
+		st := rl.PeerStats()
+		bytes += st.BytesSent
+		updates += st.BindingsSent
+	}
+	res.Relays = len(relays)
+	res.BindingUpdates = int64(updates)
+	if d := time.Since(r.start); d > 0 {
+		res.BindingBytesPerSec = float64(bytes) / d.Seconds() / float64(len(relays))
+	}
 }
 
 // drive runs the workload and the scenario through the cluster.
@@ -309,12 +325,7 @@ func (r *liveRun) do(ctx context.Context, session string, msgs []message, maxTok
 	if err != nil {
 		return "", err
 	}
-	base, key := "", liveRelaysKey
-	if r.lr != nil {
-		base = r.lr.url()
-	} else {
-		base, key = r.c.URL(), r.c.APIKey()
-	}
+	base, key := r.urls[rand.IntN(len(r.urls))], r.c.APIKey()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(b))
 	if err != nil {
 		return "", err
@@ -439,15 +450,8 @@ func indexTraffic(byAgent map[string]uint64, span time.Duration) *IndexTraffic {
 // prefixTraffic returns the prefix index bytes each agent sent, over all
 // the run's relays.
 func (r *liveRun) prefixTraffic() map[string]uint64 {
-	var relays []*relay.Relay
-	if r.c != nil {
-		relays = append(relays, r.c.Relay())
-	}
-	if r.lr != nil {
-		relays = append(relays, r.lr.relays...)
-	}
 	out := make(map[string]uint64)
-	for _, rl := range relays {
+	for _, rl := range r.c.Relays() {
 		for a, b := range rl.PrefixTraffic() {
 			out[a] += b
 		}
