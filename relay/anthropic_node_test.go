@@ -79,12 +79,12 @@ func TestAnthropicSDK(t *testing.T) {
 			if engine == "sim" {
 				eng, stop := relaytest.RunSimEngine(t, fastSim)
 				defer stop()
-				startIndexAgent(t, rl, "a1", eng.URL(), 0)
+				relaytest.RunAgent(t, indexAgentConfig("a1", eng.URL(), 0, rl.Addr()))
 			} else {
 				llamatest.Need(t)
 				model = "tiny"
 				e := llamatest.Engines(t, model, llamatest.Models(t, 1)[0])[0]
-				startIndexAgent(t, rl, "a1", e.URL, 0)
+				relaytest.RunAgent(t, indexAgentConfig("a1", e.URL, 0, rl.Addr()))
 			}
 			waitAgents(t, rl, "a1")
 			start := time.Now()

@@ -7,8 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"net/http/httputil"
-	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
@@ -19,7 +17,6 @@ import (
 
 	"github.com/rs/zerolog"
 
-	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/auditor"
@@ -34,16 +31,6 @@ func simEngine(t testing.TB, seed uint64) string {
 	srv, _ := relaytest.RunSimEngine(t, simengine.Config{Models: []string{"m1"}, TimeScale: 20,
 		Engine: simengine.EngineConfig{Seed: seed}})
 	return srv.URL()
-}
-
-// startAgentFor joins a real agent in front of the engine at upstream.
-func startAgentFor(t testing.TB, rl *relaytest.Relay, name, upstream string) {
-	t.Helper()
-	relaytest.RunAgent(t, agent.Config{
-		Relay: rl.Relay.Addrs()[0].String(), Token: itToken, Upstream: upstream, Name: name,
-		ListenAddrs: []string{"/ip4/127.0.0.1/udp/0/quic-v1"}, Logger: zerolog.New(io.Discard),
-		MinBackoff: 20 * time.Millisecond, MaxBackoff: 500 * time.Millisecond, DrainTimeout: time.Second,
-	})
 }
 
 const auditAdminKey = "admin-key-for-audit-tests"
@@ -142,9 +129,9 @@ func adminPost(t testing.TB, admin *httptest.Server, path, body string) (int, st
 func TestAuditQuarantinesAnotherModel(t *testing.T) {
 	rl, admin := auditRelay(t, 200*time.Millisecond, "")
 	for i := range 3 {
-		startAgentFor(t, rl, fmt.Sprintf("honest-%d", i), simEngine(t, 1))
+		relaytest.RunAgent(t, relaytest.AgentConfig(fmt.Sprintf("honest-%d", i), itToken, simEngine(t, 1), rl.Addr()))
 	}
-	startAgentFor(t, rl, "liar", simEngine(t, 2))
+	relaytest.RunAgent(t, relaytest.AgentConfig("liar", itToken, simEngine(t, 2), rl.Addr()))
 	waitAgents(t, rl, "honest-0", "honest-1", "honest-2", "liar")
 	sendTraffic(t, rl, 4) // the auditor shapes its prompts like traffic
 	waitFor(t, "liar quarantined", func() bool { return rl.Relay.Scheduler().ModelWeight("liar", "m1") == 0 })
@@ -228,14 +215,12 @@ func TestAuditQuarantinesAnotherModel(t *testing.T) {
 func TestAuditNoEvidenceFromFaults(t *testing.T) {
 	rl, admin := auditRelay(t, 200*time.Millisecond, "")
 	for i := range 4 {
-		startAgentFor(t, rl, fmt.Sprintf("honest-%d", i), simEngine(t, 1))
+		relaytest.RunAgent(t, relaytest.AgentConfig(fmt.Sprintf("honest-%d", i), itToken, simEngine(t, 1), rl.Addr()))
 	}
-	busy := httptest.NewServer(faultEngine(t, simEngine(t, 1), "busy"))
-	t.Cleanup(busy.Close)
-	cut := httptest.NewServer(faultEngine(t, simEngine(t, 1), "cut"))
-	t.Cleanup(cut.Close)
-	startAgentFor(t, rl, "busy", busy.URL)
-	startAgentFor(t, rl, "cut", cut.URL)
+	busy := faultEngine(t, simEngine(t, 1), "busy")
+	cut := faultEngine(t, simEngine(t, 1), "cut")
+	relaytest.RunAgent(t, relaytest.AgentConfig("busy", itToken, busy, rl.Addr()))
+	relaytest.RunAgent(t, relaytest.AgentConfig("cut", itToken, cut, rl.Addr()))
 	waitAgents(t, rl, "honest-0", "honest-1", "honest-2", "honest-3", "busy", "cut")
 	sendTraffic(t, rl, 6)
 	// Rounds of four: some with one faulty agent and three honest ones,
@@ -256,18 +241,14 @@ func TestAuditNoEvidenceFromFaults(t *testing.T) {
 	}
 }
 
-// faultEngine proxies to the engine at upstream, except chat completions:
-// "busy" answers them 503, "cut" ends every stream after its first event
-// without the [DONE] (the engine "restarts").
-func faultEngine(t testing.TB, upstream, mode string) http.Handler {
-	u, err := url.Parse(upstream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := httputil.NewSingleHostReverseProxy(u)
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+// faultEngine is a front of the engine at upstream that passes everything
+// but chat completions: "busy" answers them 503, "cut" ends every stream
+// after its first event without the [DONE] (the engine "restarts"). It
+// returns the front's URL.
+func faultEngine(t testing.TB, upstream, mode string) string {
+	return relaytest.Front(t, upstream, func(w http.ResponseWriter, r *http.Request, next http.Handler) {
 		if r.URL.Path != "/v1/chat/completions" {
-			proxy.ServeHTTP(w, r)
+			next.ServeHTTP(w, r)
 			return
 		}
 		if mode == "busy" {
@@ -364,7 +345,7 @@ func TestAuditLooksLikeTraffic(t *testing.T) {
 		recs[i] = &recorder{}
 		srv := httptest.NewServer(recs[i])
 		t.Cleanup(srv.Close)
-		startAgentFor(t, rl, fmt.Sprintf("rec-%d", i), srv.URL)
+		relaytest.RunAgent(t, relaytest.AgentConfig(fmt.Sprintf("rec-%d", i), itToken, srv.URL, rl.Addr()))
 	}
 	waitAgents(t, rl, "rec-0", "rec-1", "rec-2", "rec-3")
 	const clientWord = "zanzibar"
@@ -479,9 +460,9 @@ func TestAuditCollusion(t *testing.T) {
 		t.Fatal(err)
 	}
 	rl, admin := auditRelay(t, 200*time.Millisecond, ef)
-	startAgentFor(t, rl, "honest", simEngine(t, 1))
-	startAgentFor(t, rl, "liar-0", simEngine(t, 2))
-	startAgentFor(t, rl, "liar-1", simEngine(t, 2))
+	relaytest.RunAgent(t, relaytest.AgentConfig("honest", itToken, simEngine(t, 1), rl.Addr()))
+	relaytest.RunAgent(t, relaytest.AgentConfig("liar-0", itToken, simEngine(t, 2), rl.Addr()))
+	relaytest.RunAgent(t, relaytest.AgentConfig("liar-1", itToken, simEngine(t, 2), rl.Addr()))
 	waitAgents(t, rl, "honest", "liar-0", "liar-1")
 	sendTraffic(t, rl, 4)
 	waitFor(t, "both liars quarantined", func() bool {
@@ -532,11 +513,10 @@ func TestClientVerify(t *testing.T) {
 	admin := httptest.NewServer(rl.Relay.AdminHandler())
 	t.Cleanup(admin.Close)
 	other := &wordCounter{word: "kilimanjaro"}
-	otherSrv := httptest.NewServer(other.wrap(t, simEngine(t, 1)))
-	t.Cleanup(otherSrv.Close)
-	startAgentFor(t, rl, "ref", simEngine(t, 1))
-	startAgentFor(t, rl, "liar", simEngine(t, 2))
-	startAgentFor(t, rl, "other", otherSrv.URL)
+	otherURL := other.front(t, simEngine(t, 1))
+	relaytest.RunAgent(t, relaytest.AgentConfig("ref", itToken, simEngine(t, 1), rl.Addr()))
+	relaytest.RunAgent(t, relaytest.AgentConfig("liar", itToken, simEngine(t, 2), rl.Addr()))
+	relaytest.RunAgent(t, relaytest.AgentConfig("other", itToken, otherURL, rl.Addr()))
 	waitAgents(t, rl, "ref", "liar", "other")
 	servedOther := 0
 	servedBy := map[string]int{}
@@ -591,13 +571,8 @@ type wordCounter struct {
 	n    int
 }
 
-func (w *wordCounter) wrap(t testing.TB, upstream string) http.Handler {
-	u, err := url.Parse(upstream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := httputil.NewSingleHostReverseProxy(u)
-	return http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+func (w *wordCounter) front(t testing.TB, upstream string) string {
+	return relaytest.Front(t, upstream, func(rw http.ResponseWriter, r *http.Request, next http.Handler) {
 		body, _ := io.ReadAll(r.Body)
 		if bytes.Contains(body, []byte(w.word)) {
 			w.mu.Lock()
@@ -605,7 +580,7 @@ func (w *wordCounter) wrap(t testing.TB, upstream string) http.Handler {
 			w.mu.Unlock()
 		}
 		r.Body = io.NopCloser(bytes.NewReader(body))
-		proxy.ServeHTTP(rw, r)
+		next.ServeHTTP(rw, r)
 	})
 }
 

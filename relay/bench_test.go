@@ -60,7 +60,7 @@ func benchPaths(b *testing.B, kind string, agents int) (engineURL, relayURL stri
 		names := make([]string, len(engines))
 		for i, e := range engines {
 			names[i] = string(rune('a' + i))
-			startRealAgent(b, rl, names[i], e.URL())
+			relaytest.RunAgent(b, relaytest.AgentConfig(names[i], itToken, e.URL(), rl.Addr()))
 		}
 		waitAgents(b, rl, names...)
 		return engines[0].URL(), rl.URL

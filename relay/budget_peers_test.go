@@ -79,7 +79,7 @@ func TestBudgetAcrossRelays(t *testing.T) {
 	}
 	for i := range 2 {
 		name := fmt.Sprintf("agent-%d", i)
-		startMultiAgent(t, addrs, name, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true}), filepath.Join(dir, name+".key"))
+		relaytest.RunAgent(t, gAgentConfig(t, name, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true}), filepath.Join(dir, name+".key"), gFastTune, "", addrs...))
 	}
 	relaytest.Within(t, 60*time.Second, "the relays to share with each other and route to both agents", func() bool {
 		for _, n := range nodes {

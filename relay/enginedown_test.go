@@ -9,7 +9,6 @@ import (
 
 	"github.com/rs/zerolog"
 
-	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay/relaytest"
 )
 
@@ -26,9 +25,11 @@ func TestEngineDownAgentUp(t *testing.T) {
 	)
 	rl := startRelayLogger(t, zerolog.New(io.Discard))
 	down := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "down"})
-	noRefresh := func(c *agent.Config) { c.RefreshInterval = time.Hour }
-	startRealAgent(t, rl, "down", down.URL(), noRefresh)
-	startRealAgent(t, rl, "up", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "up"}).URL(), noRefresh)
+	for name, url := range map[string]string{"down": down.URL(), "up": relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "up"}).URL()} {
+		cfg := relaytest.AgentConfig(name, itToken, url, rl.Addr())
+		cfg.RefreshInterval = time.Hour
+		relaytest.RunAgent(t, cfg)
+	}
 	waitAgents(t, rl, "down", "up")
 
 	down.Down()

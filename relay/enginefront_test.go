@@ -7,8 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"net/http/httputil"
-	"net/url"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -26,44 +24,31 @@ import (
 // model; any path it lacks (/v1/messages among them) gets FastAPI's
 // not-found page. generated counts the requests it passed to the engine.
 type vllmFront struct {
-	srv       *httptest.Server
+	url       string
 	generated atomic.Int64
 }
 
 func newVLLMFront(t testing.TB, upstream string) *vllmFront {
 	t.Helper()
-	u, err := url.Parse(upstream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	rp := httputil.NewSingleHostReverseProxy(u)
-	rp.FlushInterval = -1
-	rp.ModifyResponse = func(res *http.Response) error {
-		if res.Request.URL.Path != "/v1/models" {
-			return nil
-		}
-		b, err := io.ReadAll(res.Body)
-		if err != nil {
-			return err
-		}
-		b = bytes.ReplaceAll(b, []byte(`"owned_by":"computeflux"`), []byte(`"owned_by":"vllm"`))
-		res.Body, res.ContentLength = io.NopCloser(bytes.NewReader(b)), int64(len(b))
-		res.Header.Del("Content-Length")
-		return nil
-	}
 	f := &vllmFront{}
 	notFound := func(w http.ResponseWriter, status int, body string) {
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(status)
 		io.WriteString(w, body)
 	}
-	f.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	f.url = relaytest.Front(t, upstream, func(w http.ResponseWriter, r *http.Request, next http.Handler) {
 		p := r.URL.Path
 		switch {
-		case r.Method == http.MethodGet && (p == "/v1/models" || p == "/metrics" || p == "/version" || strings.HasPrefix(p, "/v1/responses/")):
-			rp.ServeHTTP(w, r)
+		case r.Method == http.MethodGet && p == "/v1/models":
+			rec := httptest.NewRecorder()
+			next.ServeHTTP(rec, r)
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(rec.Code)
+			w.Write(bytes.ReplaceAll(rec.Body.Bytes(), []byte(`"owned_by":"computeflux"`), []byte(`"owned_by":"vllm"`)))
+		case r.Method == http.MethodGet && (p == "/metrics" || p == "/version" || strings.HasPrefix(p, "/v1/responses/")):
+			next.ServeHTTP(w, r)
 		case r.Method == http.MethodDelete && strings.HasPrefix(p, "/v1/responses/"):
-			rp.ServeHTTP(w, r)
+			next.ServeHTTP(w, r)
 		case r.Method == http.MethodPost && (p == "/v1/chat/completions" || p == "/v1/completions" || p == "/v1/responses"):
 			body, _ := io.ReadAll(r.Body)
 			var req struct {
@@ -79,12 +64,11 @@ func newVLLMFront(t testing.TB, upstream string) *vllmFront {
 			}
 			f.generated.Add(1)
 			r.Body, r.ContentLength = io.NopCloser(bytes.NewReader(body)), int64(len(body))
-			rp.ServeHTTP(w, r)
+			next.ServeHTTP(w, r)
 		default:
 			notFound(w, http.StatusNotFound, `{"detail":"Not Found"}`)
 		}
-	}))
-	t.Cleanup(f.srv.Close)
+	})
 	return f
 }
 
@@ -101,7 +85,7 @@ func TestIssueEngineServesResponses(t *testing.T) {
 	eng, stop := relaytest.RunSimEngine(t, fastSim)
 	defer stop()
 	f := newVLLMFront(t, eng.URL())
-	ra := startIndexAgent(t, rl, "vllm-nodocs", f.srv.URL, 0)
+	ra := relaytest.RunAgent(t, indexAgentConfig("vllm-nodocs", f.url, 0, rl.Addr()))
 	waitAgents(t, rl, "vllm-nodocs")
 	waitFor(t, "the engine identified", func() bool { return ra.Agent.Engine().Kind == agent.EngineVLLM })
 	if e := ra.Agent.Engine(); strings.Join(e.APIs, ",") != "/v1/responses" || len(e.UnknownAPIs) != 0 {
@@ -139,7 +123,7 @@ func TestIssueEngineServesResponses(t *testing.T) {
 func TestUnknownAPILearnedFromTheFirstAnswer(t *testing.T) {
 	rl := startRelay(t, "", "")
 	lacking := newParseFirstEngine(t, false)
-	rb := startIndexAgent(t, rl, "lacking", lacking.srv.URL, 0)
+	rb := relaytest.RunAgent(t, indexAgentConfig("lacking", lacking.srv.URL, 0, rl.Addr()))
 	waitAgents(t, rl, "lacking")
 	if e := rb.Agent.Engine(); len(e.APIs) != 0 || len(e.UnknownAPIs) != 2 {
 		t.Fatalf("engine %+v, want both optional APIs unknown", e)
@@ -153,7 +137,7 @@ func TestUnknownAPILearnedFromTheFirstAnswer(t *testing.T) {
 	}
 
 	g := newParseFirstEngine(t, true)
-	ra := startIndexAgent(t, rl, "maybe", g.srv.URL, 0)
+	ra := relaytest.RunAgent(t, indexAgentConfig("maybe", g.srv.URL, 0, rl.Addr()))
 	waitAgents(t, rl, "maybe")
 	for i := range 3 {
 		resp, b := postJSON(t, rl.URL+"/v1/responses", `{"model":"m1","input":"Say hello"}`)

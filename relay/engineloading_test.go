@@ -4,9 +4,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
-	"net/http/httputil"
-	"net/url"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -27,14 +24,9 @@ func TestEngineLoadingThroughRealParts(t *testing.T) {
 	slow.Gate(t, "waits on an engine loading its model")
 	eng, stopEngine := relaytest.RunSimEngine(t, fastSim)
 	defer stopEngine()
-	target, err := url.Parse(eng.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	rp := httputil.NewSingleHostReverseProxy(target)
 	var loading atomic.Bool
 	loading.Store(true)
-	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	front := relaytest.Front(t, eng.URL(), func(w http.ResponseWriter, r *http.Request, next http.Handler) {
 		if loading.Load() && r.URL.Path != "/v1/models" {
 			io.Copy(io.Discard, r.Body)
 			w.Header().Set("Content-Type", "application/json")
@@ -42,12 +34,11 @@ func TestEngineLoadingThroughRealParts(t *testing.T) {
 			io.WriteString(w, `{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}`)
 			return
 		}
-		rp.ServeHTTP(w, r)
-	}))
-	defer front.Close()
+		next.ServeHTTP(w, r)
+	})
 
 	rl := startRelay(t, "", "")
-	ra := startIndexAgent(t, rl, "loading", front.URL, 0) // refreshes every 200 ms
+	ra := relaytest.RunAgent(t, indexAgentConfig("loading", front, 0, rl.Addr())) // refreshes every 200 ms
 	waitAgents(t, rl, "loading")
 	if k := ra.Agent.Engine().Kind; k != agent.EngineUnknown {
 		t.Fatalf("engine %q while it loads, want not identified yet", k)

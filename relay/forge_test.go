@@ -242,7 +242,7 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 	t.Parallel() // waits on gossip timers, in its own relay and agents
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
 	dir := t.TempDir()
-	v := startGAgent(t, gr, "victim", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "victim", VLLMMetrics: true}), filepath.Join(dir, "victim.key"), gFastTune, transport.GossipPresetLocal)
+	v := relaytest.RunAgent(t, gAgentConfig(t, "victim", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "victim", VLLMMetrics: true}), filepath.Join(dir, "victim.key"), gFastTune, transport.GossipPresetLocal, gr.Addr()))
 	relaytest.Within(t, 30*time.Second, "the victim alive in the relay's gossip", func() bool { return victimHealthy(gr, v.Agent.ID()) })
 	probe := gr.Relay.Gossip().MemberlistConfig().ProbeInterval
 	window := attackWindow(t)
@@ -385,7 +385,7 @@ func TestForgedGossipAboutAnotherAgent(t *testing.T) {
 		v.Stop()
 		relaytest.Within(t, 30*time.Second, "the victim's registration to end", func() bool { return !gr.Relay.Registry().IsJoined(v.Agent.ID()) })
 		time.Sleep(time.Second)
-		v = startGAgent(t, gr, "victim", v.e, v.identity, gFastTune, transport.GossipPresetLocal)
+		v = relaytest.RunAgent(t, v.Config)
 		relaytest.Within(t, 30*time.Second, "the victim to join again", func() bool { return gr.Relay.Registry().IsJoined(v.Agent.ID()) })
 		took := relaytest.Within(t, 10*time.Second, "the restarted victim routable", func() bool { return routable(gr, "victim") })
 		served := servedBy(t, gr, 5)

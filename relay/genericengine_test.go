@@ -11,6 +11,7 @@ import (
 
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay"
+	"github.com/computeflux/computeflux/relay/relaytest"
 )
 
 // genericEngine is an OpenAI-compatible server the agent recognises as
@@ -63,7 +64,7 @@ func newGenericEngine(t testing.TB) *genericEngine {
 func TestGenericEngineServesResponses(t *testing.T) {
 	rl := startRelay(t, "", "")
 	g := newGenericEngine(t)
-	ra := startIndexAgent(t, rl, "generic", g.srv.URL, 0)
+	ra := relaytest.RunAgent(t, indexAgentConfig("generic", g.srv.URL, 0, rl.Addr()))
 	waitAgents(t, rl, "generic") // joined with what the first refresh found
 	if n := g.generated.Load(); n != 0 {
 		t.Fatalf("the engine generated %d times before any client asked", n)

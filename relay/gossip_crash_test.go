@@ -3,7 +3,6 @@ package relay_test
 import (
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -17,9 +16,7 @@ import (
 
 	"github.com/hashicorp/memberlist"
 	ma "github.com/multiformats/go-multiaddr"
-	"github.com/rs/zerolog"
 
-	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
@@ -115,17 +112,19 @@ func runCrash(t *testing.T, n int, preset string, tune func(*memberlist.Config),
 	relayUDP.Port, _ = strconv.Atoi(p)
 	cut := newUDPCut(t, relayUDP)
 
-	agents := make([]*gAgent, n)
+	agents := make([]*relaytest.Agent, n)
 	start := time.Now()
 	for i := range agents {
 		name := fmt.Sprintf("agent-%d", i)
 		e := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true})
 		if i < n-1 {
-			agents[i] = startGAgent(t, gr, name, e, filepath.Join(dir, name+".key"), tune, preset)
+			agents[i] = relaytest.RunAgent(t, gAgentConfig(t, name, e, filepath.Join(dir, name+".key"), tune, preset, gr.Addr()))
 			continue
 		}
 		relayVia := fmt.Sprintf("/ip4/127.0.0.1/udp/%d/quic-v1/p2p/%s", cut.port(), gr.Relay.Host().ID())
-		agents[i] = startGAgentVia(t, relayVia, name, e, tune, preset)
+		cfg := gAgentConfig(t, name, e, "", tune, preset, relayVia)
+		cfg.DrainTimeout = time.Second // its relay may be cut off when it stops
+		agents[i] = relaytest.RunAgent(t, cfg)
 	}
 	relaytest.Within(t, 2*time.Minute, "convergence", func() bool {
 		if len(relayAgentMembers(gr)) != n {
@@ -186,25 +185,6 @@ func runCrash(t *testing.T, n int, preset string, tune func(*memberlist.Config),
 	wg.Wait()
 	gr.Stop()
 	return res
-}
-
-// startGAgentVia starts an agent that dials its relay at relayAddr (an
-// address through a udpCut), with an ephemeral identity.
-func startGAgentVia(t testing.TB, relayAddr, name string, e *relaytest.FakeEngine, tune func(*memberlist.Config), preset string) *gAgent {
-	t.Helper()
-	return runGAgent(t, agent.Config{
-		Relay:           relayAddr,
-		Token:           gToken,
-		Upstream:        e.URL(),
-		Name:            name,
-		ListenAddrs:     []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
-		Logger:          zerolog.New(io.Discard),
-		MinBackoff:      20 * time.Millisecond,
-		MaxBackoff:      500 * time.Millisecond,
-		DrainTimeout:    time.Second,
-		RefreshInterval: time.Second,
-		Gossip:          agent.GossipConfig{Preset: preset, Tune: tune, MetricsInterval: 100 * time.Millisecond, LeaveTimeout: time.Second},
-	}, e)
 }
 
 // TestGossipDetectsSilencedAgent: an agent whose every packet vanishes

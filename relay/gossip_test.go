@@ -68,44 +68,16 @@ func startGRelay(t testing.TB, tune func(*memberlist.Config), preset string, edi
 	return relaytest.ServeRelay(t, cfg)
 }
 
-// gAgent is an agent of the gossip tests, with its engine and identity
-// file.
-type gAgent struct {
-	*relaytest.Agent
-	e        *relaytest.FakeEngine
-	identity string
-}
-
-func startGAgent(t testing.TB, gr *relaytest.Relay, name string, e *relaytest.FakeEngine, identity string, tune func(*memberlist.Config), preset string) *gAgent {
-	t.Helper()
-	cfg := gAgentConfig(t, name, e, identity)
-	cfg.Relay = gr.Relay.Addrs()[0].String()
-	cfg.Gossip.Preset, cfg.Gossip.Tune = preset, tune
-	return runGAgent(t, cfg, e)
-}
-
 // gAgentConfig is the agent configuration of the gossip tests (fast
-// backoff, drain and gossip timings) for an agent of e, relays not set.
-func gAgentConfig(t testing.TB, name string, e *relaytest.FakeEngine, identity string) agent.Config {
-	return agent.Config{
-		Token:           gToken,
-		Upstream:        e.URL(),
-		Name:            name,
-		IdentityFile:    identity,
-		ListenAddrs:     []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
-		Logger:          gTestLogger(t, name),
-		MinBackoff:      20 * time.Millisecond,
-		MaxBackoff:      500 * time.Millisecond,
-		DrainTimeout:    2 * time.Second,
-		RefreshInterval: time.Second,
-		Gossip:          agent.GossipConfig{Tune: gFastTune, MetricsInterval: 100 * time.Millisecond, LeaveTimeout: time.Second},
-	}
-}
-
-// runGAgent runs an agent of e on cfg until the test ends.
-func runGAgent(t testing.TB, cfg agent.Config, e *relaytest.FakeEngine) *gAgent {
-	t.Helper()
-	return &gAgent{Agent: relaytest.RunAgent(t, cfg), e: e, identity: cfg.IdentityFile}
+// backoff, drain and gossip timings, gossip tuned by tune and preset) for an
+// agent of e with the identity file identity, joining relays.
+func gAgentConfig(t testing.TB, name string, e *relaytest.FakeEngine, identity string, tune func(*memberlist.Config), preset string, relays ...string) agent.Config {
+	cfg := relaytest.AgentConfig(name, gToken, e.URL(), relays...)
+	cfg.IdentityFile = identity
+	cfg.Logger = gTestLogger(t, name)
+	cfg.RefreshInterval = time.Second
+	cfg.Gossip = agent.GossipConfig{Preset: preset, Tune: tune, MetricsInterval: 100 * time.Millisecond, LeaveTimeout: time.Second}
+	return cfg
 }
 
 // gTestLogger discards, unless COMPUTEFLUX_TEST_LOG names a file: then
@@ -168,14 +140,15 @@ func servedBy(t testing.TB, gr *relaytest.Relay, n int) map[string]int {
 	return out
 }
 
-func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset string) (*relaytest.Relay, []*gAgent, time.Duration) {
+func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset string) (*relaytest.Relay, []*relaytest.Agent, []*relaytest.FakeEngine, time.Duration) {
 	t.Helper()
 	gr := startGRelay(t, tune, preset)
 	dir := t.TempDir()
-	agents := make([]*gAgent, n)
+	agents, engines := make([]*relaytest.Agent, n), make([]*relaytest.FakeEngine, n)
 	for i := range agents {
 		name := fmt.Sprintf("agent-%d", i)
-		agents[i] = startGAgent(t, gr, name, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true}), filepath.Join(dir, name+".key"), tune, preset)
+		engines[i] = relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true})
+		agents[i] = relaytest.RunAgent(t, gAgentConfig(t, name, engines[i], filepath.Join(dir, name+".key"), tune, preset, gr.Addr()))
 	}
 	took := relaytest.Within(t, 60*time.Second, "the relay to see every agent alive in gossip", func() bool {
 		return len(relayAgentMembers(gr)) == n
@@ -189,7 +162,7 @@ func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset st
 		}
 		return true
 	})
-	return gr, agents, took
+	return gr, agents, engines, took
 }
 
 // TestGossipDrivesRouting runs a relay and 5 agents and walks through the
@@ -197,7 +170,7 @@ func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset st
 func TestGossipDrivesRouting(t *testing.T) {
 	slow.Gate(t, "waits on gossip rounds over QUIC")
 	t.Parallel() // waits on gossip timers, in its own relay and agents
-	gr, agents, took := startGCluster(t, 5, gFastTune, transport.GossipPresetLocal)
+	gr, agents, engines, took := startGCluster(t, 5, gFastTune, transport.GossipPresetLocal)
 	t.Logf("5 agents alive with metadata at the relay %v after the first start", took)
 	want := []string{"agent-0", "agent-1", "agent-2", "agent-3", "agent-4"}
 	relaytest.Within(t, 30*time.Second, "the relay's gossip to list agent-0..4 alive", func() bool { return slices.Equal(relayAgentMembers(gr), want) })
@@ -237,7 +210,7 @@ func TestGossipDrivesRouting(t *testing.T) {
 	})
 
 	t.Run("metadata reaches the scheduler", func(t *testing.T) {
-		e := agents[1].e
+		e := engines[1]
 		e.Running.Store(3)
 		e.Waiting.Store(7)
 		e.KVMilli.Store(420)
@@ -313,7 +286,7 @@ func TestGossipDrivesRouting(t *testing.T) {
 			t.Errorf("requests still went to the closed agent: %v", got)
 		}
 		relaytest.Within(t, 60*time.Second, "the other agents' gossip to drop agent-3", func() bool {
-			for _, ga := range []*gAgent{agents[0], agents[1], agents[4]} {
+			for _, ga := range []*relaytest.Agent{agents[0], agents[1], agents[4]} {
 				if ga.Agent.Gossip().Known(victim.Agent.ID()) {
 					return false
 				}
@@ -327,7 +300,7 @@ func TestGossipDrivesRouting(t *testing.T) {
 
 		// Restart with the same identity: it joins again, gossip sees it
 		// alive, and it takes requests.
-		agents[3] = startGAgent(t, gr, "agent-3", victim.e, victim.identity, gFastTune, transport.GossipPresetLocal)
+		agents[3] = relaytest.RunAgent(t, victim.Config)
 		if agents[3].Agent.ID() != victim.Agent.ID() {
 			t.Fatal("restarted agent has another peer ID")
 		}
@@ -355,7 +328,7 @@ func TestGossipDrivesRouting(t *testing.T) {
 		if got := servedBy(t, gr, 12); got["agent-4"] > 0 {
 			t.Errorf("requests went to an agent that left: %v", got)
 		}
-		for _, ga := range []*gAgent{agents[0], agents[1]} {
+		for _, ga := range []*relaytest.Agent{agents[0], agents[1]} {
 			relaytest.Within(t, 30*time.Second, "the others to drop the leaver", func() bool { return !ga.Agent.Gossip().Known(leaver.Agent.ID()) })
 		}
 	})
@@ -391,7 +364,7 @@ func TestStaleEngineLoadIsUnknownAtTheRelay(t *testing.T) {
 	e := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "agent-0", VLLMMetrics: true})
 	e.Waiting.Store(7)
 	e.KVMilli.Store(990)
-	ga := startGAgent(t, gr, "agent-0", e, filepath.Join(t.TempDir(), "a.key"), gFastTune, transport.GossipPresetLocal)
+	ga := relaytest.RunAgent(t, gAgentConfig(t, "agent-0", e, filepath.Join(t.TempDir(), "a.key"), gFastTune, transport.GossipPresetLocal, gr.Addr()))
 	health := func() scheduler.Health {
 		for _, s := range gr.Relay.Scheduler().Snapshot() {
 			if s.ID == "agent-0" {

@@ -153,8 +153,8 @@ func (c *client) models() []string {
 func TestIntegrationRouting(t *testing.T) {
 	t.Parallel() // waits on agents over QUIC, in its own relay
 	rl := startRelay(t, "", "")
-	// a, b, c are package agent Agents; d is a bare transport-level agent
-	// whose host the test can close without any goodbye.
+	// a, b, c and d are package agent Agents; d's packets will be dropped
+	// without any goodbye.
 	engines := map[string]*relaytest.FakeEngine{}
 	agents := map[string]*relaytest.Agent{}
 	for _, n := range []string{"a", "b", "c", "d"} {
@@ -163,11 +163,8 @@ func TestIntegrationRouting(t *testing.T) {
 			models = append(models, "only-"+n)
 		}
 		engines[n] = relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n, Models: models})
-		if n != "d" {
-			agents[n] = startRealAgent(t, rl, n, engines[n].URL())
-		}
+		agents[n] = relaytest.RunAgent(t, relaytest.AgentConfig(n, itToken, engines[n].URL(), rl.Addr()))
 	}
-	d := startAgent(t, rl, "d", engines["d"])
 	c := newClient(t, rl.URL)
 	waitAgents(t, rl, "a", "b", "c", "d")
 
@@ -249,24 +246,31 @@ func TestIntegrationRouting(t *testing.T) {
 			t.Fatal("the engine's request outlived the client")
 		}
 	})
-	t.Run("agent host closed mid-run", func(t *testing.T) {
-		// Sessions spread over all four; then d's host goes away without
-		// leaving. Every following request must succeed elsewhere.
+	t.Run("agent silenced mid-run", func(t *testing.T) {
+		// Sessions spread over all four; then d's every packet vanishes,
+		// as when its machine loses power. Every following request must
+		// succeed elsewhere.
 		for i := 0; i < 12; i++ {
 			c.chat("m1", fmt.Sprintf("mid-%d", i))
 		}
-		d.kill()
+		agents["d"].Kill()
 		for i := 0; i < 30; i++ {
 			status, agent := c.chat("m1", fmt.Sprintf("mid-%d", i%12))
 			if status != 200 || agent == "d" {
 				t.Fatalf("request %d after d died: %d from %q", i, status, agent)
 			}
 		}
+		// The relay's liveness checks find it dead (liveness.DeadAfter)
+		// and its models go from the list.
 		waitFor(t, "only-d dropped from /v1/models", func() bool {
 			return strings.Join(c.models(), ",") == "m1,only-a,only-c"
 		})
-		if _, ok := rl.Relay.Registry().Peer("d"); ok {
-			t.Error("d still registered")
+		// Its registration may last until its connection times out, but
+		// out of routing.
+		for _, a := range rl.Relay.Registry().Agents() {
+			if a.Name == "d" && !a.Dead && !a.Health.Draining {
+				t.Errorf("d still routable: %+v", a)
+			}
 		}
 		if status, _ := c.chat("only-d", "x"); status != 404 {
 			t.Errorf("model only d served: %d, want 404", status)
@@ -304,7 +308,7 @@ func TestIntegrationRouting(t *testing.T) {
 func TestIntegrationJoinSecurity(t *testing.T) {
 	rl := startRelay(t, "", "")
 	e := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "a"})
-	a := startRealAgent(t, rl, "a", e.URL())
+	a := relaytest.RunAgent(t, relaytest.AgentConfig("a", itToken, e.URL(), rl.Addr()))
 	c := newClient(t, rl.URL)
 	waitFor(t, "agent a routable", func() bool { return len(c.models()) == 1 })
 
@@ -377,7 +381,7 @@ func TestIntegrationRelayRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, n := range []string{"a", "b"} {
-		startRealAgent(t, rl, n, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n}).URL())
+		relaytest.RunAgent(t, relaytest.AgentConfig(n, itToken, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n}).URL(), rl.Addr()))
 	}
 	c := newClient(t, rl.URL)
 	waitFor(t, "agents joined", func() bool { return len(c.models()) == 1 && len(rl.Relay.Registry().Agents()) == 2 })
@@ -413,8 +417,10 @@ func TestIntegrationErrors(t *testing.T) {
 		bad.Hits.Add(1)
 		http.Error(w, `{"error":{"message":"engine exploded"}}`, 500)
 	})
-	startRealAgent(t, rl, "good", good.URL())
-	ab := startAgent(t, rl, "bad", bad) // a bare agent, so the test can send a draining update
+	relaytest.RunAgent(t, relaytest.AgentConfig("good", itToken, good.URL(), rl.Addr()))
+	badCfg := relaytest.AgentConfig("bad", itToken, bad.URL(), rl.Addr())
+	badCfg.RefreshInterval = 200 * time.Millisecond // it drains soon after its engine goes
+	relaytest.RunAgent(t, badCfg)
 	c := newClient(t, rl.URL)
 	// Both agents: m1 and m-bad are listed as soon as bad alone has joined,
 	// and m1 then has nowhere to go but bad.
@@ -457,10 +463,9 @@ func TestIntegrationErrors(t *testing.T) {
 			t.Fatalf("m1 request %d: %d", i, got)
 		}
 	}
-	// A draining agent (update over the join stream) takes nothing new.
-	if err := ab.update(transport.JoinInfo{Name: "bad", Models: []string{"m1", "m-bad"}, Draining: true}); err != nil {
-		t.Fatal(err)
-	}
+	// An agent whose engine is gone drains (an update over its join
+	// stream, it stays joined) and takes nothing new.
+	bad.Down()
 	waitFor(t, "m-bad gone from /v1/models", func() bool { return strings.Join(c.models(), ",") == "m1" })
 	if got := status(`{"model":"m-bad"}`); got != 503 {
 		t.Errorf("model of a draining agent: %d, want 503", got)

@@ -66,7 +66,7 @@ func TestUnacknowledgedRequestRetriedElsewhere(t *testing.T) {
 		Policy: scheduler.PolicyRoundRobin,
 		Logger: zerolog.New(io.Discard),
 	})
-	startRealAgent(t, rl, "good", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "good"}).URL())
+	relaytest.RunAgent(t, relaytest.AgentConfig("good", itToken, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "good"}).URL(), rl.Addr()))
 	// No ping service either: probes go unanswered, as a frozen process's.
 	mute := newHostOpts(t, libp2p.Ping(false))
 	var swallowed atomic.Int64

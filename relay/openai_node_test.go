@@ -28,7 +28,7 @@ func TestOpenAINodeClient(t *testing.T) {
 	// A real relay over QUIC with two agents in front of OpenAI-like engines.
 	rl := startRelay(t, "", "")
 	for _, n := range []string{"a", "b"} {
-		startRealAgent(t, rl, n, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n}).URL())
+		relaytest.RunAgent(t, relaytest.AgentConfig(n, itToken, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n}).URL(), rl.Addr()))
 	}
 	waitFor(t, "agents joined", func() bool {
 		ags := rl.Relay.Registry().Agents()

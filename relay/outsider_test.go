@@ -46,7 +46,7 @@ func dialCircuit(ctx context.Context, h host.Host, ri peer.AddrInfo, target peer
 func TestOutsidersGetNoCircuits(t *testing.T) {
 	t.Parallel() // waits on reconnects, in its own relay and agents
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
-	v := startGAgent(t, gr, "victim", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "victim", VLLMMetrics: true}), filepath.Join(t.TempDir(), "victim.key"), gFastTune, transport.GossipPresetLocal)
+	v := relaytest.RunAgent(t, gAgentConfig(t, "victim", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "victim", VLLMMetrics: true}), filepath.Join(t.TempDir(), "victim.key"), gFastTune, transport.GossipPresetLocal, gr.Addr()))
 	relaytest.Within(t, 30*time.Second, "the joined agent's reservation", func() bool {
 		n := v.Agent.NAT()
 		return n != nil && n.Stats().Reservations == 1
@@ -114,7 +114,7 @@ func TestOutsidersGetNoCircuits(t *testing.T) {
 // get only addresses they could use (no loopback or LAN ones).
 func TestAgentTellsStrangersNothing(t *testing.T) {
 	gr := startGRelay(t, gFastTune, transport.GossipPresetLocal)
-	v := startGAgent(t, gr, "victim", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "victim", VLLMMetrics: true}), filepath.Join(t.TempDir(), "victim.key"), gFastTune, transport.GossipPresetLocal)
+	v := relaytest.RunAgent(t, gAgentConfig(t, "victim", relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "victim", VLLMMetrics: true}), filepath.Join(t.TempDir(), "victim.key"), gFastTune, transport.GossipPresetLocal, gr.Addr()))
 	relaytest.Within(t, 30*time.Second, "the agent joined", func() bool { return gr.Relay.Registry().IsJoined(v.Agent.ID()) })
 	h := v.Agent.Host()
 	listen := h.Network().ListenAddresses()

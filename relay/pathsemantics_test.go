@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+
+	"github.com/computeflux/computeflux/relay/relaytest"
 )
 
 // The HTTP semantics the relay path keeps however it is tuned, checked
@@ -77,7 +79,7 @@ func (e *lockstepEngine) serve(w http.ResponseWriter, r *http.Request) {
 func startLockstepPath(t *testing.T, e *lockstepEngine) string {
 	t.Helper()
 	rl := startRelayLogger(t, zerolog.New(io.Discard))
-	startRealAgent(t, rl, "a", e.srv.URL)
+	relaytest.RunAgent(t, relaytest.AgentConfig("a", itToken, e.srv.URL, rl.Addr()))
 	c := newClient(t, rl.URL)
 	waitFor(t, "agent a routable", func() bool { return len(c.models()) == 1 })
 	return rl.URL

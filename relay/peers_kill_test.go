@@ -134,7 +134,7 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 	const na = 3
 	for i := range na {
 		name := fmt.Sprintf("agent-%d", i)
-		startMultiAgent(t, addrs, name, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true}), filepath.Join(dir, name+".key"))
+		relaytest.RunAgent(t, gAgentConfig(t, name, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true}), filepath.Join(dir, name+".key"), gFastTune, "", addrs...))
 	}
 	relaytest.Within(t, 60*time.Second, "relay a to share sessions with the relay process", func() bool {
 		return len(a.Relay.PeerRelays()) == 1

@@ -55,20 +55,12 @@ func startPeerRelay(t testing.TB, listen, identity, who string, edits ...func(*r
 	return relaytest.ServeRelay(t, cfg)
 }
 
-// startMultiAgent starts an agent joined to every relay in addrs.
-func startMultiAgent(t testing.TB, addrs []string, name string, e *relaytest.FakeEngine, identity string) *gAgent {
-	t.Helper()
-	cfg := gAgentConfig(t, name, e, identity)
-	cfg.Relays = addrs
-	return runGAgent(t, cfg, e)
-}
-
 type multiCluster struct {
 	relays  []*relaytest.Relay
 	listen  []string
 	ids     []string
 	addrs   []string
-	agents  []*gAgent
+	agents  []*relaytest.Agent
 	engines []*relaytest.FakeEngine
 }
 
@@ -90,7 +82,7 @@ func startMulti(t *testing.T, nr, na int) *multiCluster {
 		name := fmt.Sprintf("agent-%d", i)
 		e := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: name, VLLMMetrics: true})
 		mc.engines = append(mc.engines, e)
-		mc.agents = append(mc.agents, startMultiAgent(t, mc.addrs, name, e, filepath.Join(dir, name+".key")))
+		mc.agents = append(mc.agents, relaytest.RunAgent(t, gAgentConfig(t, name, e, filepath.Join(dir, name+".key"), gFastTune, "", mc.addrs...)))
 	}
 	relaytest.Within(t, 60*time.Second, "relays to find each other through the agents", func() bool {
 		for _, r := range mc.relays {

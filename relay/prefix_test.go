@@ -36,30 +36,16 @@ func startSimEngine(t testing.TB, cacheBlocks int) *simengine.Server {
 	return srv
 }
 
-// startIndexAgent runs package agent in front of engine url, publishing its
-// prefix index every 20 ms; kvTokens overrides the capacity read from the
-// engine (0: read it).
-func startIndexAgent(t testing.TB, rl *relaytest.Relay, name, url string, kvTokens int, more ...*relaytest.Relay) *relaytest.Agent {
-	t.Helper()
-	var others []string
-	for _, o := range more {
-		others = append(others, o.Relay.Addrs()[0].String())
-	}
-	return relaytest.RunAgent(t, agent.Config{
-		Relays:          others,
-		Relay:           rl.Relay.Addrs()[0].String(),
-		Token:           itToken,
-		Upstream:        url,
-		Name:            name,
-		ListenAddrs:     []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
-		Logger:          testLogger(),
-		MinBackoff:      20 * time.Millisecond,
-		MaxBackoff:      500 * time.Millisecond,
-		DrainTimeout:    2 * time.Second,
-		RefreshInterval: 200 * time.Millisecond,
-		Gossip:          agent.GossipConfig{Disabled: true},
-		Index:           agent.IndexConfig{PublishInterval: 20 * time.Millisecond, KVCapacityTokens: kvTokens},
-	})
+// indexAgentConfig is an agent in front of engine url joining relays,
+// publishing its prefix index every 20 ms, gossip off; kvTokens overrides
+// the capacity read from the engine (0: read it).
+func indexAgentConfig(name, url string, kvTokens int, relays ...string) agent.Config {
+	cfg := relaytest.AgentConfig(name, itToken, url, relays...)
+	cfg.Logger = testLogger()
+	cfg.RefreshInterval = 200 * time.Millisecond
+	cfg.Gossip = agent.GossipConfig{Disabled: true}
+	cfg.Index = agent.IndexConfig{PublishInterval: 20 * time.Millisecond, KVCapacityTokens: kvTokens}
+	return cfg
 }
 
 func indexRelay(t testing.TB, identity, p2p string) *relaytest.Relay {
@@ -199,7 +185,7 @@ func TestPrefixIndexRouting(t *testing.T) {
 	names := []string{"a", "b", "c"}
 	agents := map[string]*relaytest.Agent{}
 	for _, n := range names {
-		agents[n] = startIndexAgent(t, rl, n, startSimEngine(t, 0).URL(), 0)
+		agents[n] = relaytest.RunAgent(t, indexAgentConfig(n, startSimEngine(t, 0).URL(), 0, rl.Addr()))
 	}
 	waitFor(t, "three agents publishing", func() bool {
 		return metric(t, rl, `computeflux_prefix_updates_total{agent="c",type="snapshot"}`) >= 1 &&
@@ -269,7 +255,7 @@ func TestPrefixIndexFollowsEngine(t *testing.T) {
 	// (some 2,200 of the simulator's tokens each); the agent is told twice
 	// that (256 of its 64-token blocks, about twelve prompts of 20).
 	eng := startSimEngine(t, 512)
-	a := startIndexAgent(t, rl, "solo", eng.URL(), 2*512*16)
+	a := relaytest.RunAgent(t, indexAgentConfig("solo", eng.URL(), 2*512*16, rl.Addr()))
 	waitFor(t, "publishing", func() bool {
 		return metric(t, rl, `computeflux_prefix_updates_total{agent="solo",type="snapshot"}`) >= 1
 	})
@@ -315,7 +301,7 @@ func TestPrefixIndexFollowsEngine(t *testing.T) {
 // that did not join may not publish at all.
 func TestPrefixIndexCutsOffBadPublisher(t *testing.T) {
 	rl := indexRelay(t, "", "")
-	good := startIndexAgent(t, rl, "good", startSimEngine(t, 0).URL(), 0)
+	good := relaytest.RunAgent(t, indexAgentConfig("good", startSimEngine(t, 0).URL(), 0, rl.Addr()))
 	waitFor(t, "the good agent publishing", func() bool {
 		return metric(t, rl, `computeflux_prefix_updates_total{agent="good",type="snapshot"}`) >= 1
 	})
@@ -503,7 +489,7 @@ func testLogger() zerolog.Logger {
 // index to both, so a request through one relay teaches the other.
 func TestPrefixIndexToEveryRelay(t *testing.T) {
 	r1, r2 := indexRelay(t, "", ""), indexRelay(t, "", "")
-	a := startIndexAgent(t, r1, "both", startSimEngine(t, 0).URL(), 0, r2)
+	a := relaytest.RunAgent(t, indexAgentConfig("both", startSimEngine(t, 0).URL(), 0, r1.Addr(), r2.Addr()))
 	for _, rl := range []*relaytest.Relay{r1, r2} {
 		waitFor(t, "publishing to each relay", func() bool {
 			return metric(t, rl, `computeflux_prefix_updates_total{agent="both",type="snapshot"}`) >= 1

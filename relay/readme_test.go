@@ -38,8 +38,7 @@ func TestREADMEClients(t *testing.T) {
 	slow.Gate(t, "runs the README's curl and Node examples")
 	t.Parallel() // waits on npm and client processes, with its own relay
 	rl := startRelay(t, "", "")
-	a, b := startSimAgent(t, rl, "readme-1"), startSimAgent(t, rl, "readme-2")
-	waitResponsesAgents(t, rl, a, b)
+	responsesFleet(t, rl, "readme-1", "readme-2")
 	host := strings.TrimPrefix(rl.URL, "http://")
 	keyFile := filepath.Join(t.TempDir(), "api-keys")
 	if err := os.WriteFile(keyFile, []byte(itKey+"\n"), 0o600); err != nil {

@@ -11,71 +11,36 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rs/zerolog"
-
 	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
 	"github.com/computeflux/computeflux/relay/relaytest"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
-// simAgent is a sim engine on a loopback port with a package agent in front
-// of it, joined to the relay over QUIC.
-type simAgent struct {
-	eng   *simengine.Server
-	agent *relaytest.Agent
-	stop  func()
-}
-
 // fastSim is a sim engine that answers fast: a few tokens, 200 times
 // real speed.
 var fastSim = simengine.Config{TimeScale: 200, DefaultMaxTokens: 8}
 
-func startSimAgent(t testing.TB, rl *relaytest.Relay, name string) *simAgent {
+// responsesFleet runs a fast sim engine with a package agent in front of it
+// for each name, joined to rl over QUIC, and waits until every agent is
+// joined listing the Responses API.
+func responsesFleet(t testing.TB, rl *relaytest.Relay, names ...string) []*relaytest.Agent {
 	t.Helper()
-	eng, stopEngine := relaytest.RunSimEngine(t, fastSim)
-	a := relaytest.RunAgent(t, agent.Config{
-		Relay:        rl.Relay.Addrs()[0].String(),
-		Token:        itToken,
-		Upstream:     eng.URL(),
-		Name:         name,
-		ListenAddrs:  []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
-		Logger:       zerolog.New(io.Discard),
-		MinBackoff:   20 * time.Millisecond,
-		MaxBackoff:   500 * time.Millisecond,
-		DrainTimeout: 2 * time.Second,
-	})
-	sa := &simAgent{eng: eng, agent: a}
-	stopped := false
-	sa.stop = func() {
-		if stopped {
-			return
-		}
-		stopped = true
-		a.Stop()
-		stopEngine()
+	agents := make([]*relaytest.Agent, len(names))
+	for i, name := range names {
+		eng, _ := relaytest.RunSimEngine(t, fastSim)
+		agents[i] = relaytest.RunAgent(t, relaytest.AgentConfig(name, itToken, eng.URL(), rl.Addr()))
 	}
-	t.Cleanup(sa.stop)
-	return sa
-}
-
-// waitResponsesAgents waits until the named agents are joined listing the
-// Responses API.
-func waitResponsesAgents(t testing.TB, rl *relaytest.Relay, sas ...*simAgent) {
-	t.Helper()
 	waitFor(t, "agents recognised their engines", func() bool {
-		for _, sa := range sas {
-			if !slices.Contains(sa.agent.Engine().APIs, "/v1/responses") {
+		for _, a := range agents {
+			if !slices.Contains(a.Engine().APIs, "/v1/responses") {
 				return false
 			}
 		}
 		return true
 	})
-	names := make([]string, len(sas))
-	for i, sa := range sas {
-		names[i] = sa.agent.Info().Name
-	}
 	waitAgents(t, rl, names...)
+	return agents
 }
 
 func postJSON(t testing.TB, url, body string) (*http.Response, []byte) {
@@ -98,12 +63,11 @@ func postJSON(t testing.TB, url, body string) (*http.Response, []byte) {
 // cache; when that agent leaves, the follow-up gets OpenAI's 404.
 func TestResponsesThroughRealParts(t *testing.T) {
 	rl := startRelay(t, "", "")
-	sas := map[string]*simAgent{}
-	for _, n := range []string{"r1", "r2", "r3"} {
-		sas[n] = startSimAgent(t, rl, n)
+	sas := map[string]*relaytest.Agent{}
+	for _, a := range responsesFleet(t, rl, "r1", "r2", "r3") {
+		sas[a.Name] = a
 	}
-	waitResponsesAgents(t, rl, sas["r1"], sas["r2"], sas["r3"])
-	if e := sas["r1"].agent.Engine(); e.Kind != agent.EngineSim || e.KVCapacityTokens <= 0 {
+	if e := sas["r1"].Engine(); e.Kind != agent.EngineSim || e.KVCapacityTokens <= 0 {
 		t.Fatalf("engine recognised as %+v", e)
 	}
 
@@ -171,7 +135,7 @@ func TestResponsesThroughRealParts(t *testing.T) {
 
 	// The holder goes: the follow-up is OpenAI's 404, not another engine's
 	// answer without the context.
-	sas[home].stop()
+	sas[home].Stop()
 	waitFor(t, "holder gone", func() bool {
 		for _, a := range rl.Relay.Registry().Agents() {
 			if a.Name == home {
@@ -207,8 +171,7 @@ func TestOpenAINodeResponses(t *testing.T) {
 	defer cancel()
 	dir := installOpenAINode(ctx, t, "openai@"+openaiNodeVersion)
 	rl := startRelay(t, "", "")
-	a, b := startSimAgent(t, rl, "n1"), startSimAgent(t, rl, "n2")
-	waitResponsesAgents(t, rl, a, b)
+	responsesFleet(t, rl, "n1", "n2")
 	out := runNodeScript(ctx, t, "openai_responses.mjs", dir, "RELAY_URL="+rl.URL, "API_KEY="+itKey, "MODEL="+simengine.DefaultModel)
 	var got struct {
 		Text, StreamedText, SecondText string

@@ -2,16 +2,13 @@ package relay_test
 
 import (
 	"bytes"
-	"context"
 	"io"
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/rs/zerolog"
 
-	"github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/relay/relaytest"
 )
 
@@ -49,32 +46,13 @@ func TestSecretsNeverLogged(t *testing.T) {
 	rl := startRelayLogger(t, log.With().Str("side", "relay").Logger())
 	eng := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "e1"})
 
-	runAgent := func(name, token string) (*agent.Agent, func()) {
-		a, err := agent.New(agent.Config{
-			Relay:          rl.Relay.Addrs()[0].String(),
-			Token:          token,
-			Upstream:       eng.URL(),
-			UpstreamAPIKey: upstreamKey,
-			Name:           name,
-			ListenAddrs:    []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
-			Logger:         log.With().Str("side", "agent").Logger(),
-			MinBackoff:     20 * time.Millisecond,
-			MaxBackoff:     200 * time.Millisecond,
-			DrainTimeout:   time.Second,
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- a.Run(ctx) }()
-		var once sync.Once
-		return a, func() { once.Do(func() { cancel(); <-done }) }
+	runAgent := func(name, token string) *relaytest.Agent {
+		cfg := relaytest.AgentConfig(name, token, eng.URL(), rl.Addr())
+		cfg.UpstreamAPIKey = upstreamKey
+		cfg.Logger = log.With().Str("side", "agent").Logger()
+		return relaytest.RunAgent(t, cfg)
 	}
-	good, stopGood := runAgent("good", itToken)
-	defer stopGood()
-	_, stopBad := runAgent("intruder", wrongToken)
-	defer stopBad()
+	good, bad := runAgent("good", itToken), runAgent("intruder", wrongToken)
 
 	c := newClient(t, rl.URL)
 	waitFor(t, "good agent routable", func() bool { return len(c.models()) == 1 })
@@ -105,8 +83,8 @@ func TestSecretsNeverLogged(t *testing.T) {
 			t.Errorf("%s: %d, want %d", tc.body, got, tc.want)
 		}
 	}
-	stopGood()
-	stopBad()
+	good.Stop()
+	bad.Stop()
 	rl.Stop()
 
 	out := logs.String()

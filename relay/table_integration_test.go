@@ -48,7 +48,7 @@ func TestTableAgentsAndProvider(t *testing.T) {
 		EndpointsFile: ef, ProviderTransport: tr, Logger: zerolog.New(logs),
 	})
 	for _, n := range []string{"gpu1", "gpu2"} {
-		startRealAgent(t, rl, n, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n}).URL())
+		relaytest.RunAgent(t, relaytest.AgentConfig(n, itToken, relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n}).URL(), rl.Addr()))
 	}
 	waitAgents(t, rl, "gpu1", "gpu2")
 	// Idle agents, no request yet: the liveness probe measures the RTT.

@@ -9,15 +9,22 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/libp2p/go-libp2p"
 	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/rs/zerolog"
 
 	agentpkg "github.com/computeflux/computeflux/agent"
 	"github.com/computeflux/computeflux/agent/simengine"
@@ -69,39 +76,84 @@ func (r *Relay) Info() peer.AddrInfo {
 	return peer.AddrInfo{ID: r.Host().ID(), Addrs: r.Host().Addrs()}
 }
 
+// Addr is the relay's first libp2p address with its peer ID, what an
+// agent's Relay or Relays setting names.
+func (r *Relay) Addr() string {
+	addrs := r.Addrs()
+	if len(addrs) == 0 {
+		return ""
+	}
+	return addrs[0].String()
+}
+
+// AgentConfig is the configuration tests give an agent named name in front
+// of upstream, joining the relays (multiaddrs, see Relay.Addr) with token:
+// a loopback QUIC port, reconnects after 20 ms backing off to 500 ms, a 2 s
+// drain, logs discarded. Tests change what they are about before RunAgent.
+func AgentConfig(name, token, upstream string, relays ...string) agentpkg.Config {
+	return agentpkg.Config{
+		Relays:       relays,
+		Token:        token,
+		Upstream:     upstream,
+		Name:         name,
+		ListenAddrs:  []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
+		Logger:       zerolog.New(io.Discard),
+		MinBackoff:   20 * time.Millisecond,
+		MaxBackoff:   500 * time.Millisecond,
+		DrainTimeout: 2 * time.Second,
+	}
+}
+
 // Agent is package agent's Agent, running.
 type Agent struct {
 	*agentpkg.Agent
 	Name string
+	// Config is what it runs on: RunAgent(t, a.Config) after Stop is the
+	// same agent restarted (same identity, if it has an IdentityFile).
+	Config agentpkg.Config
 
+	pf     *packetFilter
 	cancel context.CancelFunc
-	done   chan error
+	done   chan struct{}
 }
 
 // RunAgent builds an agent from cfg and runs it until t ends or Stop is
-// called.
+// called. Its host's packets pass a filter, so that Kill can silence it.
 func RunAgent(t testing.TB, cfg agentpkg.Config) *Agent {
 	t.Helper()
-	a, err := agentpkg.New(cfg)
+	pf := &packetFilter{}
+	run := cfg
+	run.HostOptions = append(slices.Clip(cfg.HostOptions), libp2p.QUICReuse(pf.connManager))
+	a, err := agentpkg.New(run)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	ra := &Agent{Agent: a, Name: cfg.Name, cancel: cancel, done: make(chan error, 1)}
-	go func() { ra.done <- a.Run(ctx) }()
+	ra := &Agent{Agent: a, Name: cfg.Name, Config: cfg, pf: pf, cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(ra.done)
+		defer pf.close() // libp2p closes only the QUIC sockets it made itself
+		_ = a.Run(ctx)
+	}()
 	t.Cleanup(ra.Stop)
 	return ra
 }
 
-// Stop drains the agent, leaves its relays and closes its host. A second
-// call does nothing.
+// Stop drains the agent, leaves its relays and closes its host, and returns
+// once it has. After Kill it waits for the silenced agent to end.
 func (a *Agent) Stop() {
-	if a.cancel == nil {
-		return
-	}
 	a.cancel()
 	<-a.done
-	a.cancel = nil
+}
+
+// Kill silences the agent without a goodbye, as when its machine loses
+// power or its network: every packet of its host is dropped from now on,
+// both ways, then it is stopped behind that black hole (its leave and its
+// connection close never reach anyone). Kill does not wait for it to end;
+// Stop does.
+func (a *Agent) Kill() {
+	a.pf.dropped.Store(true)
+	a.cancel()
 }
 
 // EngineConfig configures a FakeEngine.
@@ -270,6 +322,24 @@ func (e *FakeEngine) serve(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\" from %s\"}}]}\n\ndata: [DONE]\n\n", e.Name)
+}
+
+// Front serves, on a loopback port until t ends, a front of the engine at
+// upstream, as a proxy or a faulty build would stand before it: serve gets
+// every request and answers what it wants, handing the rest to next (a
+// reverse proxy to upstream that flushes streams at once). It returns the
+// front's base URL, an agent's upstream.
+func Front(t testing.TB, upstream string, serve func(w http.ResponseWriter, r *http.Request, next http.Handler)) string {
+	t.Helper()
+	u, err := url.Parse(upstream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next := httputil.NewSingleHostReverseProxy(u)
+	next.FlushInterval = -1
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { serve(w, r, next) }))
+	t.Cleanup(srv.Close)
+	return srv.URL
 }
 
 // RunSimEngine runs a simulated engine configured by cfg (Listen is always
