@@ -264,8 +264,8 @@ func faultEngine(t testing.TB, upstream, mode string) string {
 	})
 }
 
-// recorder is an engine that answers every chat request with the same
-// text (so audits find everyone in agreement) and records what it got.
+// recorder is an engine's answer to every chat request: the same text (so
+// audits find everyone in agreement), and a record of what it got.
 type recorder struct {
 	mu   sync.Mutex
 	reqs []recorded
@@ -277,13 +277,7 @@ type recorded struct {
 }
 
 func (rc *recorder) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	switch r.URL.Path {
-	case "/v1/models":
-		w.Header().Set("Content-Type", "application/json")
-		_, _ = io.WriteString(w, `{"object":"list","data":[{"id":"m1","object":"model","owned_by":"test"}]}`)
-		return
-	case "/v1/chat/completions":
-	default:
+	if r.URL.Path != "/v1/chat/completions" {
 		http.NotFound(w, r)
 		return
 	}
@@ -343,9 +337,9 @@ func TestAuditLooksLikeTraffic(t *testing.T) {
 	recs := make([]*recorder, 4)
 	for i := range recs {
 		recs[i] = &recorder{}
-		srv := httptest.NewServer(recs[i])
-		t.Cleanup(srv.Close)
-		relaytest.RunAgent(t, relaytest.AgentConfig(fmt.Sprintf("rec-%d", i), itToken, srv.URL, rl.Addr()))
+		eng := relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: fmt.Sprintf("rec-%d", i)})
+		eng.SetAnswer(recs[i].ServeHTTP)
+		relaytest.RunAgent(t, relaytest.AgentConfig(eng.Name, itToken, eng.URL(), rl.Addr()))
 	}
 	waitAgents(t, rl, "rec-0", "rec-1", "rec-2", "rec-3")
 	const clientWord = "zanzibar"

@@ -123,7 +123,7 @@ func TestIssueEngineServesResponses(t *testing.T) {
 func TestUnknownAPILearnedFromTheFirstAnswer(t *testing.T) {
 	rl := startRelay(t, "", "")
 	lacking := newParseFirstEngine(t, false)
-	rb := relaytest.RunAgent(t, indexAgentConfig("lacking", lacking.srv.URL, 0, rl.Addr()))
+	rb := relaytest.RunAgent(t, indexAgentConfig("lacking", lacking.URL(), 0, rl.Addr()))
 	waitAgents(t, rl, "lacking")
 	if e := rb.Agent.Engine(); len(e.APIs) != 0 || len(e.UnknownAPIs) != 2 {
 		t.Fatalf("engine %+v, want both optional APIs unknown", e)
@@ -137,7 +137,7 @@ func TestUnknownAPILearnedFromTheFirstAnswer(t *testing.T) {
 	}
 
 	g := newParseFirstEngine(t, true)
-	ra := relaytest.RunAgent(t, indexAgentConfig("maybe", g.srv.URL, 0, rl.Addr()))
+	ra := relaytest.RunAgent(t, indexAgentConfig("maybe", g.URL(), 0, rl.Addr()))
 	waitAgents(t, rl, "maybe")
 	for i := range 3 {
 		resp, b := postJSON(t, rl.URL+"/v1/responses", `{"model":"m1","input":"Say hello"}`)
@@ -158,17 +158,13 @@ func TestUnknownAPILearnedFromTheFirstAnswer(t *testing.T) {
 // path): its answers to the agent's probes show nothing. With responses
 // it serves /v1/responses; every route it lacks is a 404 page.
 type parseFirstEngine struct {
-	srv               *httptest.Server
+	*relaytest.FakeEngine
 	generated, routed atomic.Int64
 }
 
 func newParseFirstEngine(t testing.TB, responses bool) *parseFirstEngine {
-	g := &parseFirstEngine{}
-	g.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodGet && r.URL.Path == "/v1/models" {
-			io.WriteString(w, `{"object":"list","data":[{"id":"m1","object":"model","owned_by":"someone"}]}`)
-			return
-		}
+	g := &parseFirstEngine{FakeEngine: relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "parse-first"})}
+	g.SetAnswer(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method != http.MethodPost {
 			http.NotFound(w, r)
 			return
@@ -188,7 +184,6 @@ func newParseFirstEngine(t testing.TB, responses bool) *parseFirstEngine {
 		g.generated.Add(1)
 		w.Header().Set("Content-Type", "application/json")
 		io.WriteString(w, `{"id":"resp_pf_1","object":"response","status":"completed","model":"m1","output":[{"type":"message","role":"assistant","content":[{"type":"output_text","text":"hello"}]}],"usage":{"input_tokens":3,"output_tokens":1,"total_tokens":4}}`)
-	}))
-	t.Cleanup(g.srv.Close)
+	})
 	return g
 }

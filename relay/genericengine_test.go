@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -20,17 +19,13 @@ import (
 // /metrics, no OpenAPI document. generated counts the requests it answered
 // as real ones.
 type genericEngine struct {
-	srv       *httptest.Server
+	*relaytest.FakeEngine
 	generated atomic.Int64
 }
 
 func newGenericEngine(t testing.TB) *genericEngine {
-	g := &genericEngine{}
-	g.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodGet && r.URL.Path == "/v1/models" {
-			io.WriteString(w, `{"object":"list","data":[{"id":"m1","object":"model","owned_by":"organization_owner"}]}`)
-			return
-		}
+	g := &genericEngine{FakeEngine: relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "generic"})}
+	g.SetAnswer(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method != http.MethodPost || (r.URL.Path != "/v1/responses" && r.URL.Path != "/v1/chat/completions") {
 			http.NotFound(w, r)
 			return
@@ -51,8 +46,7 @@ func newGenericEngine(t testing.TB) *genericEngine {
 			return
 		}
 		io.WriteString(w, `{"id":"x","object":"chat.completion","model":"m1","choices":[{"index":0,"message":{"role":"assistant","content":"hello"},"finish_reason":"stop"}]}`)
-	}))
-	t.Cleanup(g.srv.Close)
+	})
 	return g
 }
 
@@ -64,7 +58,7 @@ func newGenericEngine(t testing.TB) *genericEngine {
 func TestGenericEngineServesResponses(t *testing.T) {
 	rl := startRelay(t, "", "")
 	g := newGenericEngine(t)
-	ra := relaytest.RunAgent(t, indexAgentConfig("generic", g.srv.URL, 0, rl.Addr()))
+	ra := relaytest.RunAgent(t, indexAgentConfig("generic", g.URL(), 0, rl.Addr()))
 	waitAgents(t, rl, "generic") // joined with what the first refresh found
 	if n := g.generated.Load(); n != 0 {
 		t.Fatalf("the engine generated %d times before any client asked", n)

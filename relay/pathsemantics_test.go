@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -23,7 +22,7 @@ import (
 // and writes event k+1 only once the client said it has read event k. A
 // hop that buffered events would stall it until the wait runs out.
 type lockstepEngine struct {
-	srv      *httptest.Server
+	*relaytest.FakeEngine
 	events   int
 	ack      chan int       // the client read event k
 	stalled  chan int       // an event the client never acknowledged
@@ -34,17 +33,12 @@ type lockstepEngine struct {
 func newLockstepEngine(t *testing.T, events int, hold bool) *lockstepEngine {
 	e := &lockstepEngine{events: events, ack: make(chan int), stalled: make(chan int, 1),
 		canceled: make(chan time.Time, 8), hold: hold}
-	e.srv = httptest.NewServer(http.HandlerFunc(e.serve))
-	t.Cleanup(e.srv.Close)
+	e.FakeEngine = relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: "a"})
+	e.SetAnswer(e.serve)
 	return e
 }
 
 func (e *lockstepEngine) serve(w http.ResponseWriter, r *http.Request) {
-	if r.URL.Path == "/v1/models" {
-		w.Header().Set("Content-Type", "application/json")
-		io.WriteString(w, `{"object":"list","data":[{"id":"m1","object":"model","owned_by":"test"}]}`)
-		return
-	}
 	if r.URL.Path != "/v1/chat/completions" {
 		http.NotFound(w, r)
 		return
@@ -79,7 +73,7 @@ func (e *lockstepEngine) serve(w http.ResponseWriter, r *http.Request) {
 func startLockstepPath(t *testing.T, e *lockstepEngine) string {
 	t.Helper()
 	rl := startRelayLogger(t, zerolog.New(io.Discard))
-	relaytest.RunAgent(t, relaytest.AgentConfig("a", itToken, e.srv.URL, rl.Addr()))
+	relaytest.RunAgent(t, relaytest.AgentConfig("a", itToken, e.URL(), rl.Addr()))
 	c := newClient(t, rl.URL)
 	waitFor(t, "agent a routable", func() bool { return len(c.models()) == 1 })
 	return rl.URL
