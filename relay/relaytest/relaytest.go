@@ -8,7 +8,7 @@
 // ports, an engine slows down, an engine and its agent join mid-run. Tests
 // that put a fleet together themselves take its parts (parts.go):
 // ServeRelay, AgentConfig and RunAgent (whose Kill is the same silent
-// death), FakeEngine and RunSimEngine.
+// death), FakeEngine, Front (a front of an engine) and RunSimEngine.
 package relaytest
 
 import (
