@@ -163,7 +163,7 @@ func TestIntegrationRouting(t *testing.T) {
 			models = append(models, "only-"+n)
 		}
 		engines[n] = relaytest.NewFakeEngine(t, relaytest.EngineConfig{Name: n, Models: models})
-		agents[n] = relaytest.RunAgent(t, relaytest.AgentConfig(n, itToken, engines[n].URL(), rl.Addr()))
+		agents[n] = relaytest.RunKillableAgent(t, relaytest.AgentConfig(n, itToken, engines[n].URL(), rl.Addr()))
 	}
 	c := newClient(t, rl.URL)
 	waitAgents(t, rl, "a", "b", "c", "d")

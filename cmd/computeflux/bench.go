@@ -92,7 +92,7 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.BoolVar(&cfg.NoPooled, "no-pooled", false, "skip the pooled bound (one engine with all caches together), an extra simulation")
 	fs.StringVar(&scenarios, "scenario", "steady", "comma-separated `scenarios`: steady, degraded, failure, join, skew, or all; or chaos or soak alone (real processes, see --scenario chaos -h, --scenario soak -h)")
 	fs.IntVar(&cfg.Engines, "engines", 4, "number of engines, each with its agent")
-	fs.IntVar(&cfg.Relays, "relays", 0, "relays the requests are spread over at random (sim: schedulers sharing session bindings as relays do; live: real relays, every agent joined to all; 0: one relay, live on the classic cluster)")
+	fs.IntVar(&cfg.Relays, "relays", 0, "relays the requests are spread over at random (sim: schedulers sharing session bindings as relays do; live: real relays, every agent joined to all; 0: one relay)")
 	fs.DurationVar(&cfg.PeerDelay, "peer-delay", 0, "sim: model time a session binding takes to reach the other relays (default 15ms)")
 	var keyless bool
 	fs.BoolVar(&keyless, "keyless", false, "deprecated spelling of --keys without")

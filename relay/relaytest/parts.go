@@ -118,12 +118,26 @@ type Agent struct {
 }
 
 // RunAgent builds an agent from cfg and runs it until t ends or Stop is
-// called. Its host's packets pass a filter, so that Kill can silence it.
+// called, on the product's own sockets.
 func RunAgent(t testing.TB, cfg agentpkg.Config) *Agent {
 	t.Helper()
-	pf := &packetFilter{}
+	return runAgent(t, cfg, nil)
+}
+
+// RunKillableAgent is RunAgent with every packet of the agent's host
+// through a filter, so that Kill can silence it. The filter's sockets read
+// and write packet by packet: benchmarks of the path use RunAgent.
+func RunKillableAgent(t testing.TB, cfg agentpkg.Config) *Agent {
+	t.Helper()
+	return runAgent(t, cfg, &packetFilter{})
+}
+
+func runAgent(t testing.TB, cfg agentpkg.Config, pf *packetFilter) *Agent {
+	t.Helper()
 	run := cfg
-	run.HostOptions = append(slices.Clip(cfg.HostOptions), libp2p.QUICReuse(pf.connManager))
+	if pf != nil {
+		run.HostOptions = append(slices.Clip(cfg.HostOptions), libp2p.QUICReuse(pf.connManager))
+	}
 	a, err := agentpkg.New(run)
 	if err != nil {
 		t.Fatal(err)
@@ -132,7 +146,9 @@ func RunAgent(t testing.TB, cfg agentpkg.Config) *Agent {
 	ra := &Agent{Agent: a, Name: cfg.Name, Config: cfg, pf: pf, cancel: cancel, done: make(chan struct{})}
 	go func() {
 		defer close(ra.done)
-		defer pf.close() // libp2p closes only the QUIC sockets it made itself
+		if pf != nil {
+			defer pf.close() // libp2p does not close a socket manager it was given
+		}
 		_ = a.Run(ctx)
 	}()
 	t.Cleanup(ra.Stop)
@@ -150,8 +166,11 @@ func (a *Agent) Stop() {
 // power or its network: every packet of its host is dropped from now on,
 // both ways, then it is stopped behind that black hole (its leave and its
 // connection close never reach anyone). Kill does not wait for it to end;
-// Stop does.
+// Stop does. Only an agent of RunKillableAgent can be killed.
 func (a *Agent) Kill() {
+	if a.pf == nil {
+		panic("relaytest: Kill of an agent not started by RunKillableAgent")
+	}
 	a.pf.dropped.Store(true)
 	a.cancel()
 }

@@ -7,8 +7,8 @@
 // goodbye reaches anyone), the relay restarts on the same identity and
 // ports, an engine slows down, an engine and its agent join mid-run. Tests
 // that put a fleet together themselves take its parts (parts.go):
-// ServeRelay, AgentConfig and RunAgent (whose Kill is the same silent
-// death), FakeEngine, Front (a front of an engine) and RunSimEngine.
+// ServeRelay, AgentConfig, RunAgent and RunKillableAgent (whose Kill is
+// the same silent death), FakeEngine, Front (a front of an engine) and RunSimEngine.
 package relaytest
 
 import (
@@ -205,7 +205,7 @@ func (c *Cluster) waitPeered(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.JoinTimeout)
 	defer cancel()
 	rs := c.Relays()
-	return poll.Until(ctx, func() bool {
+	err := poll.Until(ctx, func() bool {
 		for _, r := range rs {
 			if len(r.PeerRelays()) < len(rs)-1 {
 				return false
@@ -213,6 +213,10 @@ func (c *Cluster) waitPeered(ctx context.Context) error {
 		}
 		return true
 	})
+	if err != nil {
+		return fmt.Errorf("relaytest: %d relays did not all peer: %w", len(rs), err)
+	}
+	return nil
 }
 
 // URL returns the (first) relay's base URL, e.g. "http://127.0.0.1:41234".
@@ -546,7 +550,7 @@ func (e *Engine) startAgent(ctx context.Context) error {
 	e.mu.Unlock()
 	go func() {
 		defer close(ra.done)
-		defer pf.close() // libp2p closes only the QUIC sockets it made itself
+		defer pf.close() // libp2p does not close a socket manager it was given
 		if err := a.Run(actx); err != nil {
 			e.c.log.Warn().Str("agent", e.Name).Err(err).Msg("agent stopped")
 		}
