@@ -121,7 +121,7 @@ type Agent struct {
 // called, on the product's own sockets.
 func RunAgent(t testing.TB, cfg agentpkg.Config) *Agent {
 	t.Helper()
-	return runAgent(t, cfg, nil)
+	return runAgent(t, cfg, false)
 }
 
 // RunKillableAgent is RunAgent with every packet of the agent's host
@@ -129,18 +129,32 @@ func RunAgent(t testing.TB, cfg agentpkg.Config) *Agent {
 // and write packet by packet: benchmarks of the path use RunAgent.
 func RunKillableAgent(t testing.TB, cfg agentpkg.Config) *Agent {
 	t.Helper()
-	return runAgent(t, cfg, &packetFilter{})
+	return runAgent(t, cfg, true)
 }
 
-func runAgent(t testing.TB, cfg agentpkg.Config, pf *packetFilter) *Agent {
+func runAgent(t testing.TB, cfg agentpkg.Config, killable bool) *Agent {
 	t.Helper()
+	a, err := launch(cfg, killable, func(error) {})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Stop)
+	return a
+}
+
+// launch builds an agent from cfg and runs it until Stop or Kill, then
+// hands Run's error to stopped. With killable its host's packets pass a
+// filter that Kill closes.
+func launch(cfg agentpkg.Config, killable bool, stopped func(error)) (*Agent, error) {
+	var pf *packetFilter
 	run := cfg
-	if pf != nil {
+	if killable {
+		pf = &packetFilter{}
 		run.HostOptions = append(slices.Clip(cfg.HostOptions), libp2p.QUICReuse(pf.connManager))
 	}
 	a, err := agentpkg.New(run)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	ra := &Agent{Agent: a, Name: cfg.Name, Config: cfg, pf: pf, cancel: cancel, done: make(chan struct{})}
@@ -149,10 +163,9 @@ func runAgent(t testing.TB, cfg agentpkg.Config, pf *packetFilter) *Agent {
 		if pf != nil {
 			defer pf.close() // libp2p does not close a socket manager it was given
 		}
-		_ = a.Run(ctx)
+		stopped(a.Run(ctx))
 	}()
-	t.Cleanup(ra.Stop)
-	return ra
+	return ra, nil
 }
 
 // Stop drains the agent, leaves its relays and closes its host, and returns

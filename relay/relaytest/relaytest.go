@@ -24,7 +24,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/libp2p/go-libp2p"
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/libp2p/go-libp2p/p2p/transport/quicreuse"
@@ -151,18 +150,9 @@ type Engine struct {
 	engDone chan error
 	idFile  string
 
-	mu     sync.Mutex // guards agent and killed
-	agent  *agent
+	mu     sync.Mutex    // guards agent and killed
+	agent  *Agent        // killable
 	killed chan struct{} // a killed agent's done, until a restart waited for it
-}
-
-// agent is package agent's Agent serving one engine, its packets through
-// a filter that KillAgent closes.
-type agent struct {
-	a      *agentpkg.Agent
-	pf     *packetFilter
-	cancel context.CancelFunc
-	done   chan struct{} // closed when Run returned
 }
 
 // Start starts engines, agents and a relay, and returns once every agent
@@ -349,7 +339,7 @@ func (c *Cluster) RestartRelay(ctx context.Context) error {
 		if a == nil {
 			continue
 		}
-		if err := c.waitJoined(ctx, e.Name, a.a.ID()); err != nil {
+		if err := c.waitJoined(ctx, e.Name, a.ID()); err != nil {
 			return err
 		}
 	}
@@ -409,8 +399,7 @@ func (c *Cluster) KillAgent(i int) error {
 	if a == nil {
 		return nil
 	}
-	a.pf.dropped.Store(true)
-	a.cancel()
+	a.Kill()
 	return nil
 }
 
@@ -422,7 +411,7 @@ func (c *Cluster) Agent(i int) *agentpkg.Agent {
 	if e.agent == nil {
 		return nil
 	}
-	return e.agent.a
+	return e.agent.Agent
 }
 
 // RestartAgent starts engine i's agent again, on the same identity, and
@@ -455,8 +444,7 @@ func (c *Cluster) Close() error {
 		e.agent, e.killed = nil, nil
 		e.mu.Unlock()
 		if a != nil {
-			a.cancel()
-			<-a.done // the agent drains, leaves the relay and closes its host
+			a.Stop() // the agent drains, leaves the relay and closes its host
 		}
 		if killed != nil {
 			<-killed
@@ -521,8 +509,7 @@ func (e *Engine) startAgent(ctx context.Context) error {
 		e.mu.Lock()
 		e.killed = nil
 	}
-	pf := &packetFilter{}
-	a, err := agentpkg.New(agentpkg.Config{
+	a, err := launch(agentpkg.Config{
 		Relays:         e.c.relayAddrs(),
 		Token:          string(e.c.cfg.Token),
 		Upstream:       e.Server.URL(),
@@ -530,31 +517,21 @@ func (e *Engine) startAgent(ctx context.Context) error {
 		MaxConcurrency: e.c.cfg.Capacity,
 		IdentityFile:   e.idFile,
 		ListenAddrs:    []string{"/ip4/127.0.0.1/udp/0/quic-v1"},
-		HostOptions: []libp2p.Option{
-			// Every packet of the agent's host goes through pf, so that
-			// KillAgent can silence it.
-			libp2p.QUICReuse(pf.connManager),
-		},
-		Logger:       e.c.cfg.Logger,
-		MinBackoff:   50 * time.Millisecond,
-		MaxBackoff:   time.Second,
-		DrainTimeout: 2 * time.Second,
+		Logger:         e.c.cfg.Logger,
+		MinBackoff:     50 * time.Millisecond,
+		MaxBackoff:     time.Second,
+		DrainTimeout:   2 * time.Second,
+	}, true, func(err error) {
+		if err != nil {
+			e.c.log.Warn().Str("agent", e.Name).Err(err).Msg("agent stopped")
+		}
 	})
 	if err != nil {
 		e.mu.Unlock()
 		return fmt.Errorf("relaytest: agent: %w", err)
 	}
-	actx, cancel := context.WithCancel(context.Background())
-	ra := &agent{a: a, pf: pf, cancel: cancel, done: make(chan struct{})}
-	e.agent = ra
+	e.agent = a
 	e.mu.Unlock()
-	go func() {
-		defer close(ra.done)
-		defer pf.close() // libp2p does not close a socket manager it was given
-		if err := a.Run(actx); err != nil {
-			e.c.log.Warn().Str("agent", e.Name).Err(err).Msg("agent stopped")
-		}
-	}()
 	return e.c.waitJoined(ctx, e.Name, a.ID())
 }
 
