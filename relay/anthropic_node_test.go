@@ -127,7 +127,7 @@ func TestAnthropicSDK(t *testing.T) {
 				cached += u.CacheReadInputTokens
 				completion += u.OutputTokens
 			}
-			if engine == "sim" && got.Usage[1].CacheReadInputTokens == 0 {
+			if got.Usage[1].CacheReadInputTokens == 0 {
 				t.Errorf("the second identical prompt found nothing cached: %+v", got.Usage[1])
 			}
 			// The ledger: every request the SDK sent, with its tokens.

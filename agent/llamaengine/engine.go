@@ -72,6 +72,11 @@ type Config struct {
 	Port int
 	// Stderr receives the engine's own log. If nil, it is discarded.
 	Stderr io.Writer
+	// NoPromptCache evaluates every prompt whole. By default the engine
+	// keeps a prompt cache as llama.cpp's server does: a request reuses
+	// the longest prefix of its prompt a free sequence still holds, and
+	// reports it as cached tokens.
+	NoPromptCache bool
 }
 
 // Defaults for the zero values of Config.
@@ -119,6 +124,9 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 		"--port", strconv.Itoa(cfg.Port), "--parallel", strconv.Itoa(cfg.Parallel), "--ctx", strconv.Itoa(cfg.Context)}
 	if cfg.Name != "" {
 		args = append(args, "--name", cfg.Name)
+	}
+	if cfg.NoPromptCache {
+		args = append(args, "--no-prompt-cache")
 	}
 	cmd := exec.Command("node", args...)
 	cmd.Dir = cfg.Dir

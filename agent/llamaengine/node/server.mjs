@@ -3,13 +3,20 @@
 // and benchmarks that need real inference.
 //
 // Usage: node server.mjs --model FILE [--name NAME] [--host 127.0.0.1]
-//        [--port 0] [--ctx 2048] [--parallel 2] [--threads 1]
+//        [--port 0] [--ctx 2048] [--parallel 2] [--threads 1] [--no-prompt-cache]
 // Prints one line of JSON to stdout when it listens: {"listening":"HOST:PORT"}.
 //
 // Routes: POST /v1/chat/completions and /v1/completions (streamed or not;
 // temperature 0 unless the request sets one; seed, top_p, top_k, min_p,
 // stop, max_tokens, logprobs and top_logprobs honoured), GET /v1/models, /health, /props, /slots, /metrics
 // (llama.cpp's llamacpp:* names). Errors are OpenAI error JSON.
+//
+// The prompt cache, as llama.cpp's server keeps it (cache_prompt, on by
+// default): each sequence keeps what it last evaluated, prompt and answer. A
+// request takes the free sequence that holds the longest prefix of its
+// prompt, evaluates only the rest, and reports the prefix reused as
+// usage.prompt_tokens_details.cached_tokens. "cache_prompt": false in a
+// request, or --no-prompt-cache, evaluates the whole prompt.
 //
 // Tools: a chat request whose tool_choice is "required" (the first tool) or
 // names a function gets a call of it, its arguments generated under a
@@ -29,6 +36,7 @@ const { values: opt } = parseArgs({
     ctx: { type: 'string', default: '2048' },
     parallel: { type: 'string', default: '2' },
     threads: { type: 'string', default: '1' },
+    'no-prompt-cache': { type: 'boolean', default: false },
   },
 });
 if (!opt.model) {
@@ -54,13 +62,32 @@ let processing = 0;
 let promptTotal = 0;
 let predictedTotal = 0;
 
-async function acquire() {
-  if (free.length > 0) return free.pop();
+// acquire takes the free sequence holding the longest prefix of tokens, or
+// waits for the next one released.
+async function acquire(tokens) {
+  if (free.length > 0) {
+    let best = 0;
+    let bestLen = -1;
+    for (let i = 0; i < free.length; i++) {
+      const n = free[i].compareContextTokens(tokens).firstDifferentIndex;
+      if (n > bestLen) [best, bestLen] = [i, n];
+    }
+    return free.splice(best, 1)[0];
+  }
   return new Promise((resolve) => waiting.push(resolve));
 }
 
+// reuse keeps the prefix of tokens seq holds (all but the last token, which
+// must be evaluated to sample from) and erases the rest of its history. It
+// returns the tokens kept.
+async function reuse(seq, tokens, cache) {
+  const keep = cache ? Math.min(seq.compareContextTokens(tokens).firstDifferentIndex, tokens.length - 1) : 0;
+  if (keep === 0) await seq.clearHistory();
+  else if (keep < seq.nextTokenIndex) await seq.eraseContextTokenRanges([{ start: keep, end: seq.nextTokenIndex }]);
+  return keep;
+}
+
 async function release(seq) {
-  await seq.clearHistory();
   const next = waiting.shift();
   if (next) next(seq);
   else free.push(seq);
@@ -182,8 +209,10 @@ async function complete(req, res, chat) {
   const created = Math.floor(Date.now() / 1000);
   const object = chat ? (stream ? 'chat.completion.chunk' : 'chat.completion') : 'text_completion';
 
-  const seq = await acquire();
+  const cache = !opt['no-prompt-cache'] && body.cache_prompt !== false;
+  const seq = await acquire(tokens);
   processing++;
+  let cached = 0;
   let aborted = false;
   res.on('close', () => {
     if (!res.writableFinished) aborted = true;
@@ -206,9 +235,11 @@ async function complete(req, res, chat) {
       minP: body.min_p != null ? Number(body.min_p) : undefined,
     };
     if (grammar) options.grammarEvaluationState = new LlamaGrammarEvaluationState({ model, grammar });
+    cached = await reuse(seq, tokens, cache);
+    const rest = tokens.slice(cached);
     const it = wantLogprobs
-      ? seq.evaluateWithMetadata(tokens, { probabilities: true }, options)
-      : seq.evaluate(tokens, options);
+      ? seq.evaluateWithMetadata(rest, { probabilities: true }, options)
+      : seq.evaluate(rest, options);
     for await (const item of it) {
       const t = wantLogprobs ? item.token : item;
       out.push(t);
@@ -246,14 +277,14 @@ async function complete(req, res, chat) {
     }
   } finally {
     processing--;
-    promptTotal += tokens.length;
+    promptTotal += tokens.length - cached;
     predictedTotal += out.length;
     await release(seq);
   }
   if (aborted) return;
   let finish = out.length >= maxTokens && !stopped ? 'length' : 'stop';
   if (tool && finish === 'stop') finish = 'tool_calls';
-  const usage = { prompt_tokens: tokens.length, completion_tokens: out.length, total_tokens: tokens.length + out.length, prompt_tokens_details: { cached_tokens: 0 } };
+  const usage = { prompt_tokens: tokens.length, completion_tokens: out.length, total_tokens: tokens.length + out.length, prompt_tokens_details: { cached_tokens: cached } };
   if (stream) {
     const last = chat ? { index: 0, delta: {}, finish_reason: finish } : { index: 0, text: '', finish_reason: finish };
     sse(res, { id, object, created, model: name, choices: [last] });
