@@ -60,6 +60,7 @@ func runLlamaRouting(t testing.TB, policy scheduler.Policy, engines, sessions, t
 	waitAgents(t, rl, names...)
 
 	res := llamaRouting{agents: map[int]map[string]bool{}}
+	client := &http.Client{Timeout: time.Minute} // a turn takes milliseconds; bound a stuck one
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	for s := range sessions {
@@ -73,7 +74,7 @@ func runLlamaRouting(t testing.TB, policy scheduler.Policy, engines, sessions, t
 				req, _ := http.NewRequest(http.MethodPost, rl.URL+"/v1/chat/completions", bytes.NewReader(b))
 				req.Header.Set("Authorization", "Bearer "+itKey)
 				sent := time.Now()
-				resp, err := http.DefaultClient.Do(req)
+				resp, err := client.Do(req)
 				if err != nil {
 					t.Error(err)
 					return
@@ -128,6 +129,9 @@ func TestRealEnginesRouteByCache(t *testing.T) {
 	var runs [2]llamaRouting
 	for i, p := range []scheduler.Policy{scheduler.PolicySticky, scheduler.PolicyRoundRobin} {
 		runs[i] = runLlamaRouting(t, p, engines, sessions, turns)
+		if n := len(runs[i].latency); n != sessions*turns {
+			t.Fatalf("%v: %d answers, want %d", p, n, sessions*turns)
+		}
 		moved := 0
 		for _, a := range runs[i].agents {
 			moved += len(a) - 1
@@ -138,9 +142,6 @@ func TestRealEnginesRouteByCache(t *testing.T) {
 			runs[i].quantile(0.9).Round(time.Millisecond), moved)
 	}
 	sticky, rr := runs[0], runs[1]
-	if len(sticky.latency) != sessions*turns || len(rr.latency) != sessions*turns {
-		t.Fatalf("%d and %d answers, want %d each", len(sticky.latency), len(rr.latency), sessions*turns)
-	}
 	// Sticky: every turn after the first on its conversation's engine,
 	// which still holds its last prompt. Round-robin, the test's check on
 	// itself: routing that ignores the cache falls well short of that.

@@ -116,13 +116,11 @@ func FuzzReadHeader(f *testing.F) {
 
 // ask sends one greedy chat request with logprobs and returns the parsed
 // answer.
-func ask(t *testing.T, e *llamaengine.Engine, prompt string, stream bool) audit.Completion {
+// post sends a chat completion request to e and returns the body of its
+// 200 answer.
+func post(t *testing.T, e *llamaengine.Engine, req map[string]any) []byte {
 	t.Helper()
-	body, _ := json.Marshal(map[string]any{
-		"model": "m1", "messages": []map[string]string{{"role": "user", "content": prompt}},
-		"max_tokens": 24, "temperature": 0, "logprobs": true, "top_logprobs": 5, "stream": stream,
-		"stream_options": map[string]bool{"include_usage": true},
-	})
+	body, _ := json.Marshal(req)
 	resp, err := http.Post(e.URL+"/v1/chat/completions", "application/json", bytes.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
@@ -132,6 +130,16 @@ func ask(t *testing.T, e *llamaengine.Engine, prompt string, stream bool) audit.
 	if err != nil || resp.StatusCode != 200 {
 		t.Fatalf("status %d: %s (%v)", resp.StatusCode, b, err)
 	}
+	return b
+}
+
+func ask(t *testing.T, e *llamaengine.Engine, prompt string, stream bool) audit.Completion {
+	t.Helper()
+	b := post(t, e, map[string]any{
+		"model": "m1", "messages": []map[string]string{{"role": "user", "content": prompt}},
+		"max_tokens": 24, "temperature": 0, "logprobs": true, "top_logprobs": 5, "stream": stream,
+		"stream_options": map[string]bool{"include_usage": true},
+	})
 	if !stream {
 		c, err := audit.ParseCompletion(b)
 		if err != nil {
@@ -254,19 +262,10 @@ func TestRealEngineKill(t *testing.T) {
 // chat sends a conversation to e and returns the answer with its usage.
 func chat(t *testing.T, e *llamaengine.Engine, msgs []map[string]string, cache bool) audit.Completion {
 	t.Helper()
-	body, _ := json.Marshal(map[string]any{
+	b := post(t, e, map[string]any{
 		"model": "m1", "messages": msgs, "max_tokens": 16, "temperature": 0,
 		"logprobs": true, "top_logprobs": 3, "cache_prompt": cache,
 	})
-	resp, err := http.Post(e.URL+"/v1/chat/completions", "application/json", bytes.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil || resp.StatusCode != 200 {
-		t.Fatalf("status %d: %s (%v)", resp.StatusCode, b, err)
-	}
 	c, err := audit.ParseCompletion(b)
 	if err != nil {
 		t.Fatal(err)
