@@ -240,6 +240,7 @@ func (x *exchange) firstByte(p *proxied, resp *http.Response, buf []byte) (hd he
 	}
 	ttfb := x.r.cfg.Clock.Now().Sub(x.start)
 	p.route.Started(x.c) // the prompt is prefilled: no longer the agent's backlog
+	x.r.queue.wake()     // which may make room under the agent's prefill limit
 	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 	first := buf[:n]
 	if !sse && resp.StatusCode/100 == 2 {

@@ -109,6 +109,14 @@ type Config struct {
 	// 429. Zero means DefaultQueueWait (30 s); negative turns the queue
 	// off: a request no agent has room for overflows or gets 503 at once.
 	QueueWait time.Duration
+	// PrefillLimit bounds, in prompt tokens, the prefill this relay has
+	// queued at one agent: once the uncached prompts of its streamed
+	// requests not yet answering reach it, the agent takes no more until
+	// one starts, and further requests wait in the queue, in its fair
+	// order, for whichever agent frees first (scheduler.Endpoint's
+	// PrefillLimit). Zero means DefaultPrefillLimit; negative, or the queue
+	// off, means no bound.
+	PrefillLimit int
 	// RestartHold bounds the wait of requests that arrive before any agent
 	// has joined (a restarted relay). Zero means DefaultRestartHold (5 s).
 	RestartHold time.Duration
@@ -243,6 +251,7 @@ func populate(cfg Config) Config {
 	cfg.AdminListen = cmp.Or(cfg.AdminListen, DefaultAdminListen)
 	cfg.QueueWait = cmp.Or(cfg.QueueWait, DefaultQueueWait)
 	cfg.RestartHold = cmp.Or(cfg.RestartHold, DefaultRestartHold)
+	cfg.PrefillLimit = cmp.Or(cfg.PrefillLimit, DefaultPrefillLimit)
 	if cfg.Policy != scheduler.PolicySticky {
 		cfg.Scheduler.Policy = cfg.Policy
 	}

@@ -209,7 +209,7 @@ func (r *Relay) prepareInference(p *proxied) error {
 	// peers.go: a relay that has just started may wait for its peers' table.
 	r.installBinding(p.req.Context(), p.session)
 	p.blocks = r.promptBlocks(routed) // prefix.go; release gives them back
-	sr := scheduler.Request{Model: rt.model, SessionKey: p.session, Prefix: *p.blocks, Wait: r.queue != nil}
+	sr := scheduler.Request{Model: rt.model, SessionKey: p.session, Prefix: *p.blocks, Wait: r.queue != nil, Streamed: rt.stream}
 	p.rl.flow = flowFor(p.req, p.rl.client, rt, len(body))
 	if p.w, err = r.routeAPI(p, rt, &sr); err != nil { // responses.go
 		return err

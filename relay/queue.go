@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"net"
@@ -37,6 +38,12 @@ import (
 const (
 	// DefaultQueueWait bounds a request's wait for room.
 	DefaultQueueWait = 30 * time.Second
+	// DefaultPrefillLimit is Config.PrefillLimit's default, in tokens:
+	// twice the largest prefill chunk vLLM and SGLang take in one step by
+	// default (8,192 tokens), so that an engine always has a step's worth
+	// of prompts to prefill while the rest wait here. The capacity sweep
+	// holds the same speed from 3,200 to 32,768 tokens (docs/sharing.md).
+	DefaultPrefillLimit = 16384
 	// DefaultRestartHold bounds the wait for agents right after a start.
 	DefaultRestartHold = 5 * time.Second
 	// restartWindow is how long after its start the relay holds a request
@@ -389,4 +396,15 @@ func (m *queueMetrics) rejected(fl flowOf, reason string) {
 
 func (m *queueMetrics) overflowed(fl flowOf) {
 	m.overflows.WithLabelValues(fl.label, fl.band.String()).Inc()
+}
+
+// PrefillBlocks turns a prefill limit in tokens (Config.PrefillLimit) into
+// the prompt blocks of prefix that the scheduler counts; 0 (no limit) for
+// a non-positive one.
+func PrefillBlocks(tokens int, prefix scheduler.PrefixConfig) int {
+	if tokens <= 0 {
+		return 0
+	}
+	bt := cmp.Or(prefix.BlockTokens, scheduler.DefaultBlockTokens)
+	return max(tokens/bt, 1)
 }

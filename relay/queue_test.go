@@ -169,9 +169,11 @@ func TestQueueWeights(t *testing.T) {
 		waitFor(t, "the next dispatch", func() bool { return len(g.arrived()) == i+2 })
 		counts[g.arrived()[i+1]]++
 	}
-	// 15 dispatches while both wait: 10 and 5.
-	if counts["two"] != 10 || counts["one"] != 5 {
-		t.Fatalf("dispatches while both waited: %v, want two:10 one:5", counts)
+	// 15 dispatches while both wait: 10 and 5, give or take the one
+	// request of one's in service when they began (fair queuing is fair
+	// to within a request).
+	if counts["two"] < 10 || counts["two"] > 11 || counts["one"] != 15-counts["two"] {
+		t.Fatalf("dispatches while both waited: %v, want two:10 one:5, or two:11 one:4", counts)
 	}
 	for range 16 {
 		g.release <- struct{}{}

@@ -45,6 +45,9 @@ type Registry struct {
 	// ops, if set, holds the operator's settings that win over what agents
 	// declare, and the names reserved for provider endpoints (operator.go).
 	ops *operator
+	// prefillLimit is every agent's scheduler.Endpoint.PrefillLimit, in
+	// blocks; 0 for none.
+	prefillLimit int
 	// forget, if set, is called (without mu held) when a registration
 	// ended, with the peer and, when no agent holds it any more, the name:
 	// state kept by peer or name elsewhere (metric series, traffic counts,
@@ -492,6 +495,8 @@ func (g *Registry) endpoint(e *entry) scheduler.Endpoint {
 		Models:   slices.Clone(e.info.Models),
 		Weight:   e.info.Weight,
 		Capacity: e.info.Capacity,
+
+		PrefillLimit: g.prefillLimit,
 	}
 	st := g.ops.agent(e.name, ep.Weight)
 	ep.Weight, ep.Priority, ep.Disabled = st.weight, st.priority, st.disabled

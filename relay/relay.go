@@ -130,6 +130,7 @@ func build(cfg Config) (*Relay, error) {
 		if r.queue, err = newFairQueue(r); err != nil {
 			return nil, fmt.Errorf("relay: %w", err)
 		}
+		r.reg.prefillLimit = PrefillBlocks(cfg.PrefillLimit, cfg.Prefix)
 	}
 	var secret []byte
 	if cfg.IdentityFile != "" {

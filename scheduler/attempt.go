@@ -33,6 +33,12 @@ type Request struct {
 	// *UnavailableError with Full set. Without it a full tier overflows
 	// to the next, as a failed one does.
 	Wait bool
+	// Streamed says the answer is streamed: its first byte (Started) comes
+	// once its prompt is prefilled, so its uncached blocks count against
+	// the endpoint's PrefillLimit until then. A non-streamed answer's first
+	// byte comes when the whole answer is done, which says nothing of its
+	// prefill; such a request does not count against the limit.
+	Streamed bool
 }
 
 // Affinity says how a pick related to the session's previous endpoint. The
@@ -161,6 +167,9 @@ type Attempt struct {
 	pendingBuf [2]pending
 	mapped     *endpoint // the session's live endpoint, during a Pick
 	wait       bool      // Request.Wait until StopWaiting
+	// ovGen is the index generation of the prefix overlaps this Pick
+	// computed (pickPrefix); 0 before, and for policies that do not.
+	ovGen uint64
 }
 
 type pending struct {
@@ -177,6 +186,7 @@ type pending struct {
 	// uncached is this request's share of e.backlog until it starts.
 	uncached int
 	started  bool
+	queued   bool // uncached counts in e.queuedPrefill until it starts
 }
 
 // Begin starts the scheduling of one request.
@@ -251,21 +261,23 @@ func (a *Attempt) admit(e *endpoint, now int64, checkModel bool) (ok, avoid bool
 	if e == a.mapped {
 		limit = e.affCap
 	}
-	if limit > 0 && e.inFlight >= limit {
+	if limit > 0 && e.inFlight >= limit || !a.prefillRoom(e) {
 		return false, false
 	}
 	avoid = e.health.Suspect || (len(a.failed) > 0 && slices.Contains(a.failed, e.id))
 	return true, avoid
 }
 
-// full reports whether e lacks only a free slot to take this request: it
-// is neither excluded nor draining and its breaker and keys admit it.
+// full reports whether e lacks only room to take this request (a free slot,
+// or room under its PrefillLimit): it is neither excluded nor draining and
+// its breaker and keys admit it.
 func (a *Attempt) full(e *endpoint, now int64) bool {
 	limit := e.capacity
 	if e == a.mapped {
 		limit = e.affCap
 	}
-	if limit <= 0 || e.inFlight < limit || a.exclusion(e, false) != ExclusionNone || e.health.Draining {
+	noSlot := limit > 0 && e.inFlight >= limit
+	if !noSlot && a.prefillRoom(e) || a.exclusion(e, false) != ExclusionNone || e.health.Draining {
 		return false
 	}
 	switch e.breakerState(now) {
@@ -277,6 +289,17 @@ func (a *Attempt) full(e *endpoint, now int64) bool {
 		}
 	}
 	return a.keysAdmit(e, now)
+}
+
+// prefillRoom reports whether e has room for the request's prefill
+// (endpoint.prefillRoom), counting the prefix the index believes e holds
+// when this Pick computed the overlaps, else none.
+func (a *Attempt) prefillRoom(e *endpoint) bool {
+	cached := 0
+	if a.ovGen != 0 {
+		cached = min(e.ix.overlapOf(a.ovGen), len(a.req.Prefix))
+	}
+	return e.prefillRoom(cached)
 }
 
 // admitsQuick reports whether e is admitted by the fast path of the pick
@@ -384,7 +407,10 @@ func (a *Attempt) Pick() (Choice, error) {
 	e.active += blocks
 	uncached := blocks - cached
 	e.backlog += uncached
-	p := pending{seq: c.seq, e: e, gen: e.brGen, probe: c.Probe, blocks: blocks, uncached: uncached}
+	p := pending{seq: c.seq, e: e, gen: e.brGen, probe: c.Probe, blocks: blocks, uncached: uncached, queued: a.req.Streamed}
+	if p.queued {
+		e.queuedPrefill += uncached
+	}
 	c.Key = a.takeKey(&p, now)
 	a.pending = append(a.pending, p)
 	if blocks > 0 && s.cfg.Policy == PolicySticky {
@@ -454,6 +480,9 @@ func (a *Attempt) Started(c Choice) {
 			if !p.started {
 				p.started = true
 				p.e.backlog -= p.uncached
+				if p.queued {
+					p.e.queuedPrefill -= p.uncached
+				}
 			}
 			return
 		}
@@ -482,6 +511,9 @@ func (a *Attempt) Report(c Choice, o Outcome) Class {
 	e.active -= p.blocks
 	if !p.started {
 		e.backlog -= p.uncached
+		if p.queued {
+			e.queuedPrefill -= p.uncached
+		}
 	}
 	w := 1 / s.decayNow(now) // one outcome, in stored units
 	current := p.gen == e.brGen

@@ -37,8 +37,12 @@
 // this order: it is not disabled; it has not answered 401/403 earlier in this
 // request (dead key); it has not answered 429 earlier in this request (used
 // key); it serves the model; it is not draining; its breaker is closed, or
-// half-open with a free probe slot; and, if it has a capacity, it has a free
-// slot (see Capacity below). Attempt.Excluded reports the first
+// half-open with a free probe slot; if it has a capacity, it has a free
+// slot (see Capacity below); and, if it has a PrefillLimit, the uncached
+// blocks of the streamed requests it was sent that have not started are
+// below it, or no more than the blocks of this request's prefix it holds.
+// An endpoint that lacks only a slot or that room is full: a request that
+// finds every endpoint full waits in the Queue. Attempt.Excluded reports the first
 // of the four per-request exclusions that applies.
 //
 // Among allowed endpoints, two kinds are avoided and used only when nothing

@@ -30,6 +30,16 @@ type Endpoint struct {
 	// own rate-limit breaker (see keys.go). The names are opaque labels,
 	// never the secrets. Empty means the endpoint is its own single key.
 	Keys []string
+	// PrefillLimit bounds the prefill work queued at the endpoint, in
+	// prompt blocks as Request.Prefix counts them: once the uncached blocks
+	// of its streamed requests picked and not yet started reach it, the
+	// endpoint is full (as at its Capacity) until some start, except for a
+	// request whose prefix it holds in more blocks than are queued there.
+	// So a prompt the engine would only queue behind others waits in the
+	// relay's Queue instead, where the order is fair and the endpoint that
+	// frees first takes it, while one that waiting for its cache serves
+	// sooner still goes to its cache. 0 (or negative) means no limit.
+	PrefillLimit int
 }
 
 // Health is what gossip and the agent report about an endpoint. The zero
@@ -149,6 +159,9 @@ type endpoint struct {
 	// backlog is the prefill work waiting here: the uncached prefix blocks
 	// of requests picked and not yet started (see Attempt.Started).
 	backlog int
+	// queuedPrefill is the share of backlog from streamed requests (see
+	// Request.Streamed), held against prefillLimit.
+	queuedPrefill, prefillLimit int
 
 	models      []string // sorted, no duplicates
 	brOK, brBad float64  // failure-rate rule: successes vs endpoint failures
@@ -331,7 +344,18 @@ func (e *endpoint) routable() bool {
 // not removed or draining, a free slot, no key limits.
 func (e *endpoint) plain() bool {
 	return !e.disabled && !e.removed && !e.health.Draining &&
-		(e.capacity == 0 || e.inFlight < e.capacity) && e.keys == nil && e.repute == nil
+		(e.capacity == 0 || e.inFlight < e.capacity) && (e.prefillLimit <= 0 || e.queuedPrefill < e.prefillLimit) && e.keys == nil && e.repute == nil
+}
+
+// prefillRoom reports whether e may take a prompt of which it holds cached
+// blocks and would prefill uncached under its PrefillLimit: the prefill
+// queued there is below the limit (so a prompt longer than the limit is
+// still served, by an endpoint that has prefilled what it had), or no more
+// than the cached blocks, so that waiting behind it costs less than
+// prefilling them cold elsewhere.
+func (e *endpoint) prefillRoom(cached int) bool {
+	q := e.queuedPrefill
+	return e.prefillLimit <= 0 || q < e.prefillLimit || q <= cached
 }
 
 // publishes reports whether e's agent has published entries to the prefix

@@ -71,6 +71,7 @@ func (a *Attempt) pickPrefix(g *group, now int64) (*endpoint, int) {
 	s.pickGen++
 	gen := s.pickGen
 	s.index.overlaps(chain, gen, now)
+	a.ovGen = gen
 	key := chain[min(hrwBlocks, len(chain))-1]
 
 	sc := s.scoreContext(now, a.req.Model)

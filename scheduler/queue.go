@@ -18,20 +18,24 @@ import (
 // serve models, so a free slot serves the waiting requests of its models),
 // then by band (interactive before batch), then by flow (a client).
 //
-// Within a band the order is start-time fair queuing (Goyal et al., SFQ) by
-// cost: a request of flow f with weight w and cost c gets the start tag
+// Within a band the order is self-clocked fair queuing (Golestani, SCFQ)
+// by cost: a request of flow f with weight w and cost c gets the start tag
 // S = max(V + U_f/w, F_f) and the finish tag F_f = S + c/w, where V is the
-// start tag of the request dispatched last, F_f the finish tag of f's
+// finish tag of the request dispatched last, F_f the finish tag of f's
 // previous request and U_f the cost of f's requests being served now (so
 // a client already using the fleet waits behind one that is not, even
-// when neither has waited before); the request with the smallest start
+// when neither has waited before); the request with the smallest finish
 // tag goes first. The cost is
 // what the request will use of an engine (its prompt and expected answer,
 // in tokens), so a client sending long requests gets fewer of them, and two
 // clients that both keep requests waiting share the dispatches in the ratio
-// of their weights, measured in tokens. It is work conserving: a flow alone
-// gets every free slot, and a flow that falls idle keeps no credit (its
-// next request starts at V) and no debt beyond its own requests.
+// of their weights, measured in tokens. Ordering by finish tag serves the
+// shorter of two new clients' requests first, and lets a long one wait no
+// longer than it takes to dispatch about its own cost of others' work (V
+// moves on with every dispatch): under a backlog, more first tokens come
+// sooner, and none waits without bound. It is work conserving: a flow
+// alone gets every free slot, and a flow that falls idle keeps no credit
+// (its next request starts at V) and no debt beyond its own requests.
 //
 // Between bands, interactive requests go first, except that while both
 // wait, every BatchEvery-th dispatch goes to the batch band: batch work is
@@ -190,9 +194,9 @@ type queueModel[T any] struct {
 
 // queueBand is one band of a model: its flows and virtual time.
 type queueBand[T any] struct {
-	v     float64 // the start tag of the request dispatched last
+	v     float64 // the finish tag of the request dispatched last
 	flows map[string]*queueFlow[T]
-	heap  []*queueFlow[T] // flows with requests waiting, by their head's start tag
+	heap  []*queueFlow[T] // flows with requests waiting, by their head's finish tag
 	seq   uint64          // order of arrival, the last tie-break
 }
 
@@ -402,7 +406,7 @@ func (q *Queue[T]) Pop(it *QueueItem[T]) bool {
 	}
 	m := it.model
 	b := &m.bands[it.band]
-	b.v = max(b.v, it.start)
+	b.v = max(b.v, it.finish)
 	if it.band == BandBatch {
 		m.sinceBatch = 0
 	} else if m.bands[BandBatch].head() != nil {
@@ -579,10 +583,14 @@ func (b *queueBand[T]) head() *QueueItem[T] {
 	return b.heap[0].head
 }
 
-// The heap of flows by their head's start tag, then arrival.
+// The heap of flows by their head's finish tag, then start tag, then
+// arrival.
 
 func (b *queueBand[T]) less(i, j int) bool {
 	x, y := b.heap[i].head, b.heap[j].head
+	if x.finish != y.finish {
+		return x.finish < y.finish
+	}
 	if x.start != y.start {
 		return x.start < y.start
 	}

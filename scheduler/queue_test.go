@@ -34,6 +34,35 @@ func drain(q *Queue[int], model string) []int {
 	return out
 }
 
+// A long request among new clients' short ones: the short ones go first,
+// and the long one waits for about its own cost of their work, not for as
+// long as short ones keep coming.
+func TestQueueLongRequestWaitsItsCost(t *testing.T) {
+	const long, short = 100.0, 10.0
+	q, _ := newTestQueue(t, QueueConfig{})
+	if _, err := q.Push("m", "long", BandInteractive, 1, long, -1); err != nil {
+		t.Fatal(err)
+	}
+	before := 0
+	for i := range 1000 {
+		// One new client's short request arrives per dispatch: there is
+		// always one waiting besides the long one.
+		if _, err := q.Push("m", fmt.Sprint("short", i), BandInteractive, 1, short, i); err != nil {
+			t.Fatal(err)
+		}
+		it := q.Peek("m")
+		q.Pop(it)
+		q.Done(it.Flow(), it.cost)
+		if it.Value == -1 {
+			break
+		}
+		before++
+	}
+	if want := int(long / short); before < 1 || before > want {
+		t.Fatalf("%d short requests went before the long one, want 1 to %d", before, want)
+	}
+}
+
 func TestQueueOrder(t *testing.T) {
 	type push struct {
 		flow   string
@@ -54,16 +83,18 @@ func TestQueueOrder(t *testing.T) {
 		{"two flows of equal weight and cost alternate",
 			[]push{{"a", 0, 1, 1}, {"a", 0, 1, 1}, {"a", 0, 1, 1}, {"b", 0, 1, 1}, {"b", 0, 1, 1}, {"b", 0, 1, 1}},
 			[]int{0, 3, 1, 4, 2, 5}},
-		{"a flow arriving behind a backlog goes next",
+		{"a light flow arriving behind a backlog goes first",
 			[]push{{"heavy", 0, 1, 100}, {"heavy", 0, 1, 100}, {"heavy", 0, 1, 100}, {"light", 0, 1, 10}},
-			[]int{0, 3, 1, 2}},
+			// heavy finishes at 100, 200, 300; light at 10.
+			[]int{3, 0, 1, 2}},
 		{"weight 2 gets two dispatches for one",
 			[]push{{"a", 0, 2, 1}, {"a", 0, 2, 1}, {"a", 0, 2, 1}, {"a", 0, 2, 1}, {"b", 0, 1, 1}, {"b", 0, 1, 1}},
 			[]int{0, 4, 1, 2, 5, 3}},
 		{"a cheap flow gets more requests, not more tokens",
 			[]push{{"big", 0, 1, 4}, {"big", 0, 1, 4}, {"small", 0, 1, 1}, {"small", 0, 1, 1}, {"small", 0, 1, 1}, {"small", 0, 1, 1}, {"small", 0, 1, 1}},
-			// big: starts 0, 4; small: 0, 1, 2, 3, 4.
-			[]int{0, 2, 3, 4, 5, 1, 6}},
+			// big finishes at 4, 8; small at 1, 2, 3, 4, 5 (the tie at 4
+			// goes to the earlier start).
+			[]int{2, 3, 4, 0, 5, 6, 1}},
 		{"interactive before batch",
 			[]push{{"b", BandBatch, 1, 1}, {"b", BandBatch, 1, 1}, {"i", BandInteractive, 1, 1}, {"i", BandInteractive, 1, 1}},
 			[]int{2, 3, 0, 1}},
@@ -360,7 +391,7 @@ func checkQueue(t *testing.T, q *Queue[int]) {
 
 // queueOps runs a sequence of operations decoded from ops against q,
 // checking the invariants after each, and against a plain model: the set
-// of items waiting, and that Peek returns a waiting item of the least start
+// of items waiting, and that Peek returns a waiting item of the least finish
 // tag in the band whose turn it is.
 func queueOps(t *testing.T, ops []byte) {
 	q, clk := newTestQueue(t, QueueConfig{MaxQueued: 40, MaxQueuedPerFlow: 12, BatchEvery: 3})
@@ -393,10 +424,10 @@ func queueOps(t *testing.T, ops []byte) {
 				}
 				continue
 			}
-			// It has the least start tag of its band.
+			// It has the least finish tag of its band.
 			for _, x := range live {
-				if x.waiting && x.model == it.model && x.band == it.band && x.start < it.start-1e-9 {
-					t.Fatalf("peeked start %v, but %v waits", it.start, x.start)
+				if x.waiting && x.model == it.model && x.band == it.band && x.finish < it.finish-1e-9 {
+					t.Fatalf("peeked finish %v, but %v waits", it.finish, x.finish)
 				}
 			}
 			if !q.Pop(it) {

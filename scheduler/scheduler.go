@@ -144,6 +144,7 @@ func (s *Scheduler) Upsert(ep Endpoint) {
 	weightChanged := e.weight != weight
 	s.setTierAndKeys(e, ep)
 	e.models, e.weight, e.capacity, e.disabled = models, weight, capacity, ep.Disabled
+	e.prefillLimit = max(ep.PrefillLimit, 0)
 	e.affCap = int(math.Ceil(float64(capacity) * s.cfg.AffinityCapacity))
 	e.invCap = 0
 	if capacity > 0 {

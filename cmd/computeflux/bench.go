@@ -124,6 +124,7 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.Float64Var(&cfg.Engine.PrefillTokensPerSec, "prefill-tokens-per-sec", simengine.DefaultPrefillTokensPerSec, "each engine's prompt throughput")
 	fs.IntVar(&cfg.Engine.MaxRunning, "max-running", simengine.DefaultMaxRunning, "sequences each engine batches")
 	fs.IntVar(&cfg.Capacity, "capacity", 0, "concurrency each agent announces to the scheduler (0: unlimited; sim: replaces --dispatch-limit)")
+	fs.IntVar(&cfg.PrefillLimit, "prefill-limit", 0, "sim: prompt tokens of prefill each agent may have queued before the rest wait in the relay's queue (0: the relay's default, 16384; -1: none)")
 	fs.IntVar(&cfg.DispatchLimit, "dispatch-limit", 0, "sim: requests each agent gives its engine at once; the rest wait in the relay's fair queue (0: the engine's batch, --max-running; -1: none, and no queue)")
 	// The capacity sweep (sweep.go, benchsweep.go).
 	fs.BoolVar(&cfg.Sweep.Enabled, "sweep", false, "sim, with --trace: replay the trace at rising speeds and report each policy's highest speed whose TTFT p90 holds --slo, with the goodput at each speed tried")

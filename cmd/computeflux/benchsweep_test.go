@@ -27,7 +27,8 @@ func TestBenchSweepCommand(t *testing.T) {
 	if err := json.Unmarshal([]byte(out.String()), &rp); err != nil {
 		t.Fatalf("%v\n%s", err, out.String())
 	}
-	if rp.SLO != 400 || rp.Engines != 2 || len(rp.Policies) != 2 || rp.Policies[1].Policy != "round-robin" {
+	if rp.SLO != 400 || rp.Engines != 2 || len(rp.Policies) != 3 || rp.Policies[1].Policy != "round-robin" ||
+		rp.Policies[2].Policy != bench.AtOnceLabel {
 		t.Fatalf("report %+v", rp)
 	}
 	for _, r := range rp.Policies {
@@ -38,14 +39,16 @@ func TestBenchSweepCommand(t *testing.T) {
 	}
 	out.Reset()
 	svgPath := filepath.Join(t.TempDir(), "sweep.svg")
-	if err := runBench(context.Background(), append(args, "--plot", svgPath), &out, io.Discard); err != nil || !strings.Contains(out.String(), "vs round-robin") {
+	if err := runBench(context.Background(), append(args, "--plot", svgPath), &out, io.Discard); err != nil || !strings.Contains(out.String(), "vs round-robin") ||
+		!strings.Contains(out.String(), "vs at once") {
 		t.Fatalf("table: %v\n%s", err, out.String())
 	}
 	svg, err := os.ReadFile(svgPath)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if lines := sweepLines(t, string(svg)); len(lines) != 3 || len(lines["SLO"]) != 1 || len(lines["sticky"]) < 2 || len(lines["round-robin"]) < 2 {
+	if lines := sweepLines(t, string(svg)); len(lines) != 4 || len(lines["SLO"]) != 1 || len(lines["sticky"]) < 2 || len(lines["round-robin"]) < 2 ||
+		len(lines[bench.AtOnceLabel]) < 2 {
 		t.Fatalf("chart's lines %v", lines)
 	}
 	if err := runBench(context.Background(), append(args, "--scenario", "steady,degraded"), io.Discard, io.Discard); err == nil ||

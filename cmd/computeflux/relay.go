@@ -326,6 +326,7 @@ func relayConfig(args []string, lookupEnv func(string) (string, bool), stderr io
 	fs.BoolVar(&cfg.NoAuth, "no-auth", false, "serve clients without API keys")
 	fs.StringVar(&clientsFile, "clients-file", "", "YAML `file` naming clients (several keys each) with their weight, class and budget; its keys are accepted too")
 	fs.DurationVar(&cfg.QueueWait, "queue-wait", relay.DefaultQueueWait, "longest wait at the relay for an agent with room, before an overflow tier or 429 (negative: no queue, 503 at once)")
+	fs.IntVar(&cfg.PrefillLimit, "prefill-limit", relay.DefaultPrefillLimit, "prompt `tokens` of streamed requests' prefill one agent may have queued before further requests wait at the relay for the agent that frees first (negative: no limit)")
 	fs.DurationVar(&cfg.RestartHold, "restart-hold", relay.DefaultRestartHold, "longest wait of a request that arrives before any agent has joined")
 	fs.IntVar(&cfg.MaxQueued, "max-queued", scheduler.DefaultMaxQueued, "most requests waiting for room in all")
 	fs.IntVar(&cfg.MaxQueuedPerClient, "max-queued-per-client", scheduler.DefaultMaxQueuedPerFlow, "most requests one client may have waiting for room, per model")

@@ -167,6 +167,11 @@ type Config struct {
 	// it; negative means no queue: every request goes to an engine at
 	// once, and fails if Capacity is set and every agent is full.
 	DispatchLimit int
+	// PrefillLimit is, in sim mode with the queue, the prefill in prompt
+	// tokens each agent may have queued from a relay before it is full (as
+	// relay.Config.PrefillLimit). 0 means relay.DefaultPrefillLimit;
+	// negative means none.
+	PrefillLimit int
 	// Sweep configures RunSweep (sweep.go); Run ignores it.
 	Sweep SweepConfig
 	// MaxAttempts is the relay's tries per request. Default 3, as the relay.

@@ -75,7 +75,8 @@ func (r *simRun) everyScheduler() []*scheduler.Scheduler {
 
 // begin starts a request of session key at a relay chosen at random.
 func (r *simRun) begin(c *simCall, key string) {
-	req := scheduler.Request{Model: r.cfg.Model, SessionKey: key, Prefix: c.prefix}
+	// The simulated relay times the first token, as of a streamed answer.
+	req := scheduler.Request{Model: r.cfg.Model, SessionKey: key, Prefix: c.prefix, Streamed: true}
 	sr := r.relays
 	if sr == nil {
 		c.att = r.sched.Begin(req)

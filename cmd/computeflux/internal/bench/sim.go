@@ -315,7 +315,7 @@ func (r *simRun) setUp(i int, up bool) {
 	e.up = up
 	for _, s := range r.everyScheduler() {
 		if up {
-			s.Upsert(scheduler.Endpoint{ID: e.id, Models: []string{r.cfg.Model}, Capacity: r.cfg.dispatchLimit()})
+			s.Upsert(scheduler.Endpoint{ID: e.id, Models: []string{r.cfg.Model}, Capacity: r.cfg.dispatchLimit(), PrefillLimit: r.cfg.prefillLimit()})
 			if r.index {
 				// A joining agent publishes a snapshot to every relay;
 				// deltas before it are superseded.
@@ -586,6 +586,7 @@ func (r *simRun) advance(i int) {
 		case simengine.EventFirstToken:
 			c.first, c.firstAt = true, ev.At
 			c.att.Started(c.choice) // the relay sees the first byte
+			r.kickRelay(c.relay)    // its prefill left the agent's: room may have freed
 			rec.ttft = ev.At.Sub(c.sent)
 			rec.first = c.sent.Sub(r.start)
 		case simengine.EventDone:

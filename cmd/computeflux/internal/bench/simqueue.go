@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"cmp"
 	"errors"
 	"strconv"
 
@@ -45,6 +46,15 @@ func (c *Config) dispatchLimit() int {
 		return 0
 	}
 	return orDefault(c.Engine.MaxRunning, simengine.DefaultMaxRunning)
+}
+
+// prefillLimit returns the PrefillLimit each simulated agent is given, in
+// blocks: the relay's, with its queue; 0 for none.
+func (c *Config) prefillLimit() int {
+	if c.DispatchLimit < 0 || c.PrefillLimit < 0 {
+		return 0
+	}
+	return relay.PrefillBlocks(cmp.Or(c.PrefillLimit, relay.DefaultPrefillLimit), scheduler.PrefixConfig{})
 }
 
 // newQueues gives every relay its queue, unless the dispatch limit is

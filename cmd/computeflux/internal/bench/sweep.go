@@ -255,9 +255,21 @@ func RunSweep(ctx context.Context, cfg Config) (*SweepReport, error) {
 	if prefillRate == 0 {
 		prefillRate = simengine.DefaultPrefillTokensPerSec
 	}
+	runs := make([]sweepRun, 0, len(cfg.Policies)+1)
 	for _, p := range cfg.Policies {
+		runs = append(runs, sweepRun{policy: p, label: p.String(), cfg: cfg})
+	}
+	if slices.Contains(cfg.Policies, scheduler.PolicyRoundRobin) && cfg.DispatchLimit >= 0 {
+		// The baseline a load balancer gives: round-robin, every request
+		// sent to its engine at once.
+		at := cfg
+		at.DispatchLimit, at.Capacity = -1, 0
+		runs = append(runs, sweepRun{policy: scheduler.PolicyRoundRobin, label: AtOnceLabel, cfg: at})
+	}
+	for _, run := range runs {
+		p := run.policy
 		wall := time.Now()
-		res := SweepResult{Policy: p.String()}
+		res := SweepResult{Policy: run.label}
 		s := newRateSearch(sc.Start, sc.Max, sc.Bisect)
 		for {
 			speed, ok := s.next()
@@ -273,10 +285,10 @@ func RunSweep(ctx context.Context, cfg Config) (*SweepReport, error) {
 				workloads[speed] = w
 				rp.Workload, rp.Requests = w.Name, w.Requests()
 			}
-			c := cfg
+			c := run.cfg
 			r, recs, err := simulate(ctx, &c, w, p)
 			if err != nil {
-				return nil, fmt.Errorf("bench: sweep: %s at speed %g: %w", p, speed, err)
+				return nil, fmt.Errorf("bench: sweep: %s at speed %g: %w", run.label, speed, err)
 			}
 			pt := sweepPoint(r, recs, sc.SLO, prefillRate)
 			pt.Speed = speed
@@ -287,7 +299,7 @@ func RunSweep(ctx context.Context, cfg Config) (*SweepReport, error) {
 			res.Points = append(res.Points, pt)
 			if cfg.Progress != nil {
 				fmt.Fprintf(cfg.Progress, "bench sweep %s at speed %.3g (%.2f req/s): ttft p90 %s ms, goodput %.2f req/s, %s\n",
-					p, speed, pt.Offered, cell(pt.TTFT.P90), pt.GoodReqPerSec, map[bool]string{true: "holds", false: "misses"}[pt.Held])
+					run.label, speed, pt.Offered, cell(pt.TTFT.P90), pt.GoodReqPerSec, map[bool]string{true: "holds", false: "misses"}[pt.Held])
 			}
 		}
 		slices.SortFunc(res.Points, func(a, b SweepPoint) int { return cmp.Compare(a.Speed, b.Speed) })
@@ -302,6 +314,18 @@ func RunSweep(ctx context.Context, cfg Config) (*SweepReport, error) {
 	}
 	rp.DispatchLimit = cfg.dispatchLimit()
 	return rp, nil
+}
+
+// AtOnceLabel names the sweep's baseline run: round-robin with no queue at
+// the relay, each request sent to its engine as it arrives, as a load
+// balancer in front of the engines does.
+const AtOnceLabel = "round-robin, at once"
+
+// sweepRun is one policy's sweep to run: its label and configuration.
+type sweepRun struct {
+	policy scheduler.Policy
+	label  string
+	cfg    Config
 }
 
 // failedTTFT stands for a failed request's time to first token: over any
@@ -394,19 +418,25 @@ func (rp *SweepReport) WriteTable(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	var rr float64
+	var rr, once float64
 	for _, r := range rp.Policies {
-		if r.Policy == scheduler.PolicyRoundRobin.String() {
+		switch r.Policy {
+		case scheduler.PolicyRoundRobin.String():
 			rr = r.MaxSpeed
+		case AtOnceLabel:
+			once = r.MaxSpeed
 		}
 	}
 	fmt.Fprintf(&b, "\nhighest speed holding TTFT p90 <= %.0f ms (the next speed tried missed it):\n\n", rp.SLO)
 	tw = tabwriter.NewWriter(&b, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\tspeed\treq/s\tmissed at\tvs round-robin\truns\twall\t")
+	fmt.Fprintln(tw, "policy\tspeed\treq/s\tmissed at\tvs round-robin\tvs at once\truns\twall\t")
 	for _, r := range rp.Policies {
-		ratio, missed := "-", "-"
+		ratio, vsOnce, missed := "-", "-", "-"
 		if rr > 0 {
 			ratio = fmt.Sprintf("%.2fx", r.MaxSpeed/rr)
+		}
+		if once > 0 {
+			vsOnce = fmt.Sprintf("%.2fx", r.MaxSpeed/once)
 		}
 		if r.FailedSpeed > 0 {
 			missed = fmt.Sprintf("%.3g", r.FailedSpeed)
@@ -415,7 +445,7 @@ func (rp *SweepReport) WriteTable(w io.Writer) error {
 		if r.MaxSpeed == 0 {
 			held = "none"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%.2f\t%s\t%s\t%d\t%s\t\n", r.Policy, held, r.MaxOffered, missed, ratio,
+		fmt.Fprintf(tw, "%s\t%s\t%.2f\t%s\t%s\t%s\t%d\t%s\t\n", r.Policy, held, r.MaxOffered, missed, ratio, vsOnce,
 			len(r.Points), r.Wall.Round(100*time.Millisecond))
 	}
 	if err := tw.Flush(); err != nil {

@@ -138,7 +138,9 @@ func TestRunSweep(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(rp.Policies) != 2 || rp.Requests != 9 || rp.DispatchLimit != simengine.DefaultMaxRunning || rp.SLO != 400 {
+	// The two policies, then round-robin sent at once as the baseline.
+	if len(rp.Policies) != 3 || rp.Policies[2].Policy != AtOnceLabel || rp.Requests != 9 ||
+		rp.DispatchLimit != simengine.DefaultMaxRunning || rp.SLO != 400 {
 		t.Fatalf("report %+v", rp)
 	}
 	for _, r := range rp.Policies {
@@ -174,7 +176,7 @@ func TestRunSweep(t *testing.T) {
 	}
 	b.Reset()
 	var back SweepReport
-	if err := rp.WriteJSON(&b); err != nil || json.Unmarshal([]byte(b.String()), &back) != nil || len(back.Policies) != 2 {
+	if err := rp.WriteJSON(&b); err != nil || json.Unmarshal([]byte(b.String()), &back) != nil || len(back.Policies) != 3 {
 		t.Fatalf("json: %v\n%s", err, b.String())
 	}
 
