@@ -368,6 +368,11 @@ func TestPeerRelayRestartWaitsForBindings(t *testing.T) {
 		_, _, err := chat(hc, r1, "")
 		return err == nil
 	})
+	// Every agent back, so that a follow-up placed once the table is in
+	// finds its bound agent: one still rejoining would send it elsewhere.
+	relaytest.Within(t, 60*time.Second, "every agent to rejoin the restarted relay", func() bool {
+		return len(r1.Relay.Registry().Agents()) == 3
+	})
 	if n := r1.Relay.PeerStats().Sessions; n != 0 {
 		t.Fatalf("the restarted relay holds %d bindings before its peer sent its table: the test does not reach the wait", n)
 	}
