@@ -39,9 +39,9 @@ const (
 	// DefaultQueueWait bounds a request's wait for room.
 	DefaultQueueWait = 30 * time.Second
 	// DefaultPrefillLimit is Config.PrefillLimit's default, in tokens:
-	// twice the largest prefill chunk vLLM and SGLang take in one step by
-	// default (8,192 tokens), so that an engine always has a step's worth
-	// of prompts to prefill while the rest wait here. The capacity sweep
+	// twice the 8,192-token prefill step vLLM and SGLang commonly take by
+	// default on large GPUs, so that an engine has a step's worth of
+	// prompts to prefill while the rest wait here. The capacity sweep
 	// holds the same speed from 3,200 to 32,768 tokens (docs/sharing.md).
 	DefaultPrefillLimit = 16384
 	// DefaultRestartHold bounds the wait for agents right after a start.
