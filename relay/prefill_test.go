@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -73,22 +72,7 @@ func TestPrefillLimitHoldsStreamsAtTheRelay(t *testing.T) {
 		if stream {
 			extra = `,"stream":true`
 		}
-		done := make(chan int, 1)
-		go func() {
-			prompt := tag + strings.Repeat(" word"+tag, 500)
-			req, _ := http.NewRequestWithContext(context.Background(), "POST", tb.srv.URL+"/v1/chat/completions",
-				strings.NewReader(`{"model":"m1","messages":[{"role":"user","content":"`+prompt+`"}]`+extra+`}`))
-			req.Header.Set("Authorization", "Bearer "+testKey)
-			resp, err := tb.srv.Client().Do(req)
-			if err != nil {
-				done <- 0
-				return
-			}
-			_, _ = io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			done <- resp.StatusCode
-		}()
-		return done
+		return tb.sendPrompt(context.Background(), testKey, tag+strings.Repeat(" word"+tag, 500), extra)
 	}
 
 	first := send("a", true)

@@ -90,10 +90,15 @@ clients:
 // send posts a chat request of key in the background; its status goes to
 // the returned channel.
 func (tb *testbed) send(ctx context.Context, key, extra string) <-chan int {
+	return tb.sendPrompt(ctx, key, "hi", extra)
+}
+
+// sendPrompt is send with the user message prompt (JSON-safe as it is).
+func (tb *testbed) sendPrompt(ctx context.Context, key, prompt, extra string) <-chan int {
 	done := make(chan int, 1)
 	go func() {
 		req, _ := http.NewRequestWithContext(ctx, "POST", tb.srv.URL+"/v1/chat/completions",
-			strings.NewReader(`{"model":"m1","messages":[{"role":"user","content":"hi"}]`+extra+`}`))
+			strings.NewReader(`{"model":"m1","messages":[{"role":"user","content":"`+prompt+`"}]`+extra+`}`))
 		req.Header.Set("Authorization", "Bearer "+key)
 		resp, err := tb.srv.Client().Do(req)
 		if err != nil {

@@ -2,6 +2,13 @@ package scheduler
 
 import "testing"
 
+// prefillEP is an endpoint of 64 slots with a prefill limit of limit blocks.
+func prefillEP(id string, limit int) Endpoint {
+	e := ep(id)
+	e.Capacity, e.PrefillLimit = 64, limit
+	return e
+}
+
 // An endpoint with a PrefillLimit takes streamed requests until the
 // uncached blocks of those not yet started reach it, then is full (a
 // waiting request queues) until one starts; a prompt longer than the limit
@@ -9,12 +16,7 @@ import "testing"
 // count.
 func TestPrefillLimitHoldsWorkAtTheRelay(t *testing.T) {
 	const limit = 100
-	mk := func(id string) Endpoint {
-		e := ep(id)
-		e.Capacity, e.PrefillLimit = 64, limit
-		return e
-	}
-	s, _ := newTest(t, Config{ColdStartSamples: 1}, mk("a"), mk("b"))
+	s, _ := newTest(t, Config{ColdStartSamples: 1}, prefillEP("a", limit), prefillEP("b", limit))
 	base := uint64(0)
 	streamed := func(blocks int) Request {
 		base += 1_000_000
@@ -75,12 +77,7 @@ func TestPrefillLimitHoldsWorkAtTheRelay(t *testing.T) {
 // than prefilling the prefix cold elsewhere.
 func TestPrefillLimitYieldsToTheCache(t *testing.T) {
 	const limit = 100
-	mk := func(id string) Endpoint {
-		e := ep(id)
-		e.Capacity, e.PrefillLimit = 64, limit
-		return e
-	}
-	s, _ := newTest(t, Config{ColdStartSamples: 1}, mk("a"), mk("b"))
+	s, _ := newTest(t, Config{ColdStartSamples: 1}, prefillEP("a", limit), prefillEP("b", limit))
 	conv := seqChain(1, 120)
 	s.IndexReset("a", conv)
 	for i, id := range []string{"a", "b"} {
