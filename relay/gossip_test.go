@@ -153,14 +153,31 @@ func startGCluster(t *testing.T, n int, tune func(*memberlist.Config), preset st
 	took := relaytest.Within(t, 60*time.Second, "the relay to see every agent alive in gossip", func() bool {
 		return len(relayAgentMembers(gr)) == n
 	})
-	relaytest.Within(t, 60*time.Second, "every agent to see every other member", func() bool {
-		for _, ga := range agents {
-			g := ga.Agent.Gossip()
-			if g == nil || len(g.Members()) != n {
-				return false
-			}
+	var views []string // each agent's view at the last look, for a failure
+	defer func() {
+		if t.Failed() {
+			t.Logf("the agents' views of the others (members, suspect): %v", views)
 		}
-		return true
+	}()
+	relaytest.Within(t, 60*time.Second, "every agent to see every other member", func() bool {
+		views = views[:0]
+		ok := true
+		for i, ga := range agents {
+			g := ga.Agent.Gossip()
+			if g == nil {
+				views, ok = append(views, fmt.Sprintf("agent-%d: no gossip", i)), false
+				continue
+			}
+			ms, suspect := g.Members(), 0
+			for _, m := range ms {
+				if m.Suspect {
+					suspect++
+				}
+			}
+			views = append(views, fmt.Sprintf("agent-%d: %d, %d", i, len(ms), suspect))
+			ok = ok && len(ms) == n
+		}
+		return ok
 	})
 	return gr, agents, engines, took
 }

@@ -11,6 +11,7 @@ import (
 	"io"
 	"math"
 	"sync"
+	"time"
 
 	"github.com/hashicorp/go-msgpack/v2/codec"
 	"github.com/libp2p/go-libp2p/core/peer"
@@ -33,14 +34,26 @@ import (
 //     agent trusts its relay, a relay its peer relays), which passes on only
 //     what it accepted itself;
 //   - claims about ourselves from others are dropped, so nobody makes us
-//     refute to an incarnation of their choosing; and no incarnation at or
-//     above gossipIncCeiling is accepted from anyone.
+//     refute to an incarnation of their choosing, with one exception: a
+//     suspicion (or death) of us at exactly our current incarnation, at
+//     most one per gossipRefuteGap, which memberlist refutes with the next
+//     one; and no incarnation at or above gossipIncCeiling is accepted
+//     from anyone.
 //
 // Dropped third-party claims lose nothing an honest member needs: the
 // trusted members hear every member first-hand (a member's transport also
 // forwards its own alive and leave to them, whoever memberlist picked) and
 // spread it. Suspicion raised by an ordinary member's failed probe stays
-// that member's own view: the relay routes on its own probes.
+// that member's own view (the relay routes on its own probes), but it
+// reaches the suspect, in the suspecter's gossip or push/pull, and the
+// suspect refutes it as SWIM intends. Without that, one agent's probes lost
+// on a loaded box or a lossy path would always end with it declaring
+// another agent dead, healed only when memberlist forgets the dead member
+// and hears of it afresh. The exception gives nothing away: a claim at our
+// current incarnation is one any member that heard our alive can make, the
+// refutation's incarnation is ours to pick (one more), and the rate bound
+// keeps a member that spams such claims from walking us towards the wrap
+// (2^32 refutations at one a second are 136 years).
 //
 // A claim that no honest member can make (an incarnation at the wrap, or far
 // above any its subject ever announced) proves the sender forges; the
@@ -56,10 +69,12 @@ import (
 // that does not cover it lets a replayed old state pin an agent at 2^32-1.
 
 const (
-	mlPingMsg     = 0
-	mlAckMsg      = 2
-	mlPushPullMsg = 6
-	mlStateAlive  = 0
+	mlPingMsg      = 0
+	mlAckMsg       = 2
+	mlPushPullMsg  = 6
+	mlStateAlive   = 0
+	mlStateSuspect = 1
+	mlStateDead    = 2
 	// mlMaxParts is the most parts memberlist puts in one compound message.
 	mlMaxParts = 255
 	// mlMaxDecompressed bounds what one compressed message may expand to
@@ -81,6 +96,10 @@ const gossipForgeGap = 1 << 24
 // never gets near 2^32 honestly, and memberlist wraps to 0 past it.
 const gossipIncCeiling = math.MaxUint32 - 1<<16
 
+// gossipRefuteGap is the least time between two claims about us from
+// untrusted members that we let memberlist refute.
+const gossipRefuteGap = time.Second
+
 // errGossipStream rejects a gossip stream that carries what we never send.
 var errGossipStream = errors.New("transport: gossip stream message not accepted")
 
@@ -95,6 +114,9 @@ type gossipGuard struct {
 	// entry goes when it leaves (forget) or is no member (keepOnly).
 	known   map[peer.ID]uint32
 	selfInc uint32
+	// refutedAt is when a claim about us from an untrusted member was last
+	// let through (see refutableLocked).
+	refutedAt time.Time
 	// fwd is the last incarnation of our own alive (and leave) forwarded to
 	// each trusted member: keyed by trusted members only, so bounded by
 	// the Trusted list, which is fixed.
@@ -315,7 +337,7 @@ func (gd *gossipGuard) judge(from peer.ID, trusted bool, kind claimKind, node, o
 	if x == gd.self {
 		// Others' word about us is never needed: we know our own state,
 		// and a trusted member passes on only suspicion to refute.
-		if trusted {
+		if trusted || (kind != claimAlive && gd.refutableLocked(inc)) {
 			return claimVerdict{keep: true}
 		}
 		return claimVerdict{forged: gd.evidenceLocked(x, inc)}
@@ -326,6 +348,22 @@ func (gd *gossipGuard) judge(from peer.ID, trusted bool, kind claimKind, node, o
 		return claimVerdict{keep: true}
 	}
 	return claimVerdict{forged: gd.evidenceLocked(x, inc)}
+}
+
+// refutableLocked reports whether an untrusted member's suspicion or death
+// of us at incarnation inc goes to memberlist, which refutes it: only at
+// our current incarnation (an older one memberlist ignores, a newer one no
+// honest member knows) and at most once per gossipRefuteGap.
+func (gd *gossipGuard) refutableLocked(inc uint32) bool {
+	if gd.selfInc == 0 || inc != gd.selfInc {
+		return false
+	}
+	now := time.Now()
+	if now.Sub(gd.refutedAt) < gossipRefuteGap {
+		return false
+	}
+	gd.refutedAt = now
+	return true
 }
 
 // noteLocked records an incarnation announced for x.
@@ -558,6 +596,9 @@ func (r *guardedReader) filterPushPull(src io.Reader, dec *codec.Decoder) ([]byt
 		case err != nil:
 		case s.Name == self && s.State == mlStateAlive && s.Incarnation < gossipIncCeiling:
 			r.gd.noteLocked(x, s.Incarnation)
+			kept = append(kept, s)
+		case x == r.gd.self && (s.State == mlStateSuspect || s.State == mlStateDead) && r.gd.refutableLocked(s.Incarnation):
+			// The sender suspects us: memberlist refutes it.
 			kept = append(kept, s)
 		default:
 			if f := r.gd.evidenceLocked(x, s.Incarnation); f != "" {

@@ -6,6 +6,7 @@ import (
 	"io"
 	"math"
 	"testing"
+	"time"
 
 	"github.com/hashicorp/go-msgpack/v2/codec"
 	"github.com/libp2p/go-libp2p/core/crypto"
@@ -116,6 +117,50 @@ func TestGossipGuardForwardsOwnClaims(t *testing.T) {
 	}
 	if fwd := gd.outgoing(a, claimMsg(t, mlDeadMsg, self, self, 9)); len(fwd[relay]) != 1 {
 		t.Errorf("our leave not forwarded: %x", fwd)
+	}
+}
+
+// Another member's suspicion or death of us reaches memberlist, which
+// refutes it, only at our current incarnation and at most once per
+// gossipRefuteGap.
+func TestGossipGuardLetsUsRefute(t *testing.T) {
+	self, a, b := testPeerID(t), testPeerID(t), testPeerID(t)
+	gd := newGossipGuard(self, nil)
+	gd.selfInc = 5
+	rewind := func() { gd.mu.Lock(); gd.refutedAt = time.Time{}; gd.mu.Unlock() }
+	for _, c := range []struct {
+		name   string
+		rewind bool
+		pkt    []byte
+		kept   bool
+	}{
+		{"suspicion at our incarnation", true, claimMsg(t, mlSuspectMsg, self, a, 5), true},
+		{"a second one at once, from another member", false, claimMsg(t, mlSuspectMsg, self, b, 5), false},
+		{"death at our incarnation", true, claimMsg(t, mlDeadMsg, self, a, 5), true},
+		{"suspicion at an older incarnation", true, claimMsg(t, mlSuspectMsg, self, a, 4), false},
+		{"suspicion at a newer incarnation", true, claimMsg(t, mlSuspectMsg, self, a, 6), false},
+		{"alive about us", true, aliveMsg(t, self, 5), false},
+	} {
+		if c.rewind {
+			rewind()
+		}
+		out, forged := gd.filterPacket(a, c.pkt)
+		if (out != nil) != c.kept || forged != "" {
+			t.Errorf("%s: kept %v (forged %q), want kept %v", c.name, out != nil, forged, c.kept)
+		}
+	}
+	rewind()
+	suspect := mlPushNodeState{Name: self.String(), Incarnation: 5, State: mlStateSuspect}
+	for i, want := range []int{1, 0} { // the second inside the gap
+		r := &guardedReader{gd: gd, from: a, src: bufio.NewReader(bytes.NewReader(pushPull(t, suspect)))}
+		got, err := io.ReadAll(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var hdr mlPushPullHeader
+		if err := codec.NewDecoder(bytes.NewReader(got[1:]), &codec.MsgpackHandle{}).Decode(&hdr); err != nil || hdr.Nodes != want {
+			t.Errorf("push/pull %d: %d states about us kept (%v), want %d", i, hdr.Nodes, err, want)
+		}
 	}
 }
 
