@@ -1,24 +1,15 @@
 package agent
 
 import (
-	"fmt"
-	"net"
 	"net/http"
 	"path/filepath"
 	"slices"
 	"testing"
+
+	"github.com/computeflux/computeflux/relay/relaytest/ports"
 )
 
-func freeQUIC(t *testing.T) string {
-	t.Helper()
-	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := pc.LocalAddr().(*net.UDPAddr).Port
-	pc.Close()
-	return fmt.Sprintf("/ip4/127.0.0.1/udp/%d/quic-v1", port)
-}
+func freeQUIC(t *testing.T) string { return ports.QUIC(t) }
 
 func getModels(t *testing.T, r *fakeRelay, a *Agent) int {
 	t.Helper()

@@ -23,6 +23,7 @@ import (
 
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/relaytest"
+	"github.com/computeflux/computeflux/relay/relaytest/ports"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 	"github.com/computeflux/computeflux/transport"
 )
@@ -92,15 +93,7 @@ func (rp *relayProcess) kill() {
 	<-rp.done
 }
 
-func freeTCP(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
+func freeTCP(t *testing.T) string { return ports.Free(t, "tcp") }
 
 // TestPeerRelayKilledUnderLoad runs two relays, one in this process and one
 // as a child process, with agents joined to both and clients spreading

@@ -18,6 +18,7 @@ import (
 
 	"github.com/computeflux/computeflux/relay"
 	"github.com/computeflux/computeflux/relay/relaytest"
+	"github.com/computeflux/computeflux/relay/relaytest/ports"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
@@ -27,15 +28,7 @@ import (
 // they find each other through the agents' join info.
 
 // freeUDP returns a loopback QUIC multiaddr on a port free right now.
-func freeUDP(t testing.TB) string {
-	t.Helper()
-	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pc.Close()
-	return fmt.Sprintf("/ip4/127.0.0.1/udp/%d/quic-v1", pc.LocalAddr().(*net.UDPAddr).Port)
-}
+func freeUDP(t testing.TB) string { return ports.QUIC(t) }
 
 // startPeerRelay starts a sticky relay with gossip on listen (a fixed
 // port and identity, so that it can be restarted as itself).

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"io"
-	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -14,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/computeflux/computeflux/relay/relaytest/poll"
+	"github.com/computeflux/computeflux/relay/relaytest/ports"
 )
 
 type lockedBuffer struct {
@@ -33,15 +33,7 @@ func (l *lockedBuffer) String() string {
 	return l.b.String()
 }
 
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
+func freeAddr(t *testing.T) string { return ports.Free(t, "tcp") }
 
 func TestOperatorFlags(t *testing.T) {
 	dir := t.TempDir()

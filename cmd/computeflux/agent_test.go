@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/computeflux/computeflux/relay/relaytest/ports"
+
 	"github.com/computeflux/computeflux/agent"
 )
 
@@ -78,9 +80,8 @@ func TestFindUpstream(t *testing.T) {
 		port, _ := strconv.Atoi(srv.URL[strings.LastIndexByte(srv.URL, ':')+1:])
 		return srv, agent.EnginePort{Port: port, Engine: "Ollama"}
 	}
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	closedPort := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
+	_, closed0, _ := net.SplitHostPort(ports.Free(t, "tcp"))
+	closedPort, _ := strconv.Atoi(closed0)
 	closed := agent.EnginePort{Port: closedPort, Engine: "vLLM"}
 
 	srv, p := sim()

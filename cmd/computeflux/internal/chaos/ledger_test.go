@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/computeflux/computeflux/agent/simengine"
+	"github.com/computeflux/computeflux/relay/relaytest/ports"
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
@@ -455,20 +456,4 @@ func waitRouting(ctx context.Context, t *testing.T, c *cluster, hc *http.Client,
 }
 
 // freeAddr returns a loopback address free for network ("tcp", "udp").
-func freeAddr(t *testing.T, network string) string {
-	t.Helper()
-	if network == "udp" {
-		pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer pc.Close()
-		return pc.LocalAddr().String()
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
+func freeAddr(t *testing.T, network string) string { return ports.Free(t, network) }
