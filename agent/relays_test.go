@@ -9,8 +9,6 @@ import (
 	"github.com/computeflux/computeflux/relay/relaytest/ports"
 )
 
-func freeQUIC(t *testing.T) string { return ports.QUIC(t) }
-
 func getModels(t *testing.T, r *fakeRelay, a *Agent) int {
 	t.Helper()
 	resp, err := r.client().Get("http://" + a.ID().String() + "/v1/models")
@@ -26,7 +24,7 @@ func getModels(t *testing.T, r *fakeRelay, a *Agent) int {
 // on its own.
 func TestAgentServesEveryRelay(t *testing.T) {
 	eng := newEngine(t)
-	listenA, idA := freeQUIC(t), filepath.Join(t.TempDir(), "a.key")
+	listenA, idA := ports.QUIC(t), filepath.Join(t.TempDir(), "a.key")
 	ra := startRelay(t, listenA, idA)
 	rb := startRelay(t, "/ip4/127.0.0.1/udp/0/quic-v1", "")
 	a, _ := runAgent(t, Config{Relays: []string{ra.addr(), rb.addr()}, Upstream: eng.srv.URL})

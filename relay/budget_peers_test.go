@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/computeflux/computeflux/relay/relaytest/ports"
+
 	"github.com/libp2p/go-libp2p/core/peer"
 	ma "github.com/multiformats/go-multiaddr"
 
@@ -44,7 +46,7 @@ func TestBudgetAcrossRelays(t *testing.T) {
 	}
 	nodes := make([]*node, 2)
 	for i := range nodes {
-		n := &node{listen: freeUDP(t), identity: filepath.Join(dir, fmt.Sprintf("relay-%d.key", i))}
+		n := &node{listen: ports.QUIC(t), identity: filepath.Join(dir, fmt.Sprintf("relay-%d.key", i))}
 		k, err := transport.LoadOrCreateIdentity(n.identity)
 		if err != nil {
 			t.Fatal(err)

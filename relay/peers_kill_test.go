@@ -93,8 +93,6 @@ func (rp *relayProcess) kill() {
 	<-rp.done
 }
 
-func freeTCP(t *testing.T) string { return ports.Free(t, "tcp") }
-
 // TestPeerRelayKilledUnderLoad runs two relays, one in this process and one
 // as a child process, with agents joined to both and clients spreading
 // keyed, non-streamed turns over both at random. A client retries a
@@ -108,9 +106,9 @@ func TestPeerRelayKilledUnderLoad(t *testing.T) {
 	}
 	t.Parallel() // paced load and a process restart, in its own relays and agents
 	dir := t.TempDir()
-	listenA := freeUDP(t)
+	listenA := ports.QUIC(t)
 	a := startPeerRelay(t, listenA, filepath.Join(dir, "a.key"), "relay-a")
-	listenB, idB, httpB := freeUDP(t), filepath.Join(dir, "b.key"), freeTCP(t)
+	listenB, idB, httpB := ports.QUIC(t), filepath.Join(dir, "b.key"), ports.Free(t, "tcp")
 	// The identity file is made here, so that the agents know the child's
 	// peer ID before it starts.
 	key, err := transport.LoadOrCreateIdentity(idB)

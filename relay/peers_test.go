@@ -27,9 +27,6 @@ import (
 // started independently, with the same secret and nothing else in common:
 // they find each other through the agents' join info.
 
-// freeUDP returns a loopback QUIC multiaddr on a port free right now.
-func freeUDP(t testing.TB) string { return ports.QUIC(t) }
-
 // startPeerRelay starts a sticky relay with gossip on listen (a fixed
 // port and identity, so that it can be restarted as itself).
 func startPeerRelay(t testing.TB, listen, identity, who string, edits ...func(*relay.Config)) *relaytest.Relay {
@@ -65,7 +62,7 @@ func startMulti(t *testing.T, nr, na int) *multiCluster {
 	dir := t.TempDir()
 	mc := &multiCluster{}
 	for i := range nr {
-		mc.listen = append(mc.listen, freeUDP(t))
+		mc.listen = append(mc.listen, ports.QUIC(t))
 		mc.ids = append(mc.ids, filepath.Join(dir, fmt.Sprintf("relay-%d.key", i)))
 		r := startPeerRelay(t, mc.listen[i], mc.ids[i], fmt.Sprintf("relay-%d", i))
 		mc.relays = append(mc.relays, r)

@@ -335,8 +335,9 @@ func (gd *gossipGuard) judge(from peer.ID, trusted bool, kind claimKind, node, o
 		return claimVerdict{forged: fmt.Sprintf("incarnation %d for %s is at the wrap", inc, x)}
 	}
 	if x == gd.self {
-		// Others' word about us is never needed: we know our own state,
-		// and a trusted member passes on only suspicion to refute.
+		// We know our own state: a trusted member passes on only
+		// suspicion to refute, and another member's suspicion of us
+		// counts only at our incarnation, to be refuted (refutableLocked).
 		if trusted || (kind != claimAlive && gd.refutableLocked(inc)) {
 			return claimVerdict{keep: true}
 		}

@@ -33,8 +33,6 @@ func (l *lockedBuffer) String() string {
 	return l.b.String()
 }
 
-func freeAddr(t *testing.T) string { return ports.Free(t, "tcp") }
-
 func TestOperatorFlags(t *testing.T) {
 	dir := t.TempDir()
 	kf := filepath.Join(dir, "admin.key")
@@ -78,7 +76,7 @@ func TestRelayStatusAdminAndHangup(t *testing.T) {
 	}
 	write(kf, "adm-0123456789\n")
 	write(ef, "endpoints:\n  - {name: cloud, url: https://127.0.0.1:1/v1, keys: [sk-prov-secret], models: [m1]}\n")
-	admin := freeAddr(t)
+	admin := ports.Free(t, "tcp")
 	var logs lockedBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)

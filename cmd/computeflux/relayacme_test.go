@@ -26,6 +26,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/computeflux/computeflux/relay/relaytest/ports"
+
 	"github.com/computeflux/computeflux/relay/relaytest/slow"
 )
 
@@ -50,13 +52,13 @@ func TestRelayACMECertificatesFromPebble(t *testing.T) {
 	// CA of the test's: the relay trusts it through --acme-ca-file.
 	caFile := writeTestCA(t, dir)
 	dnsAddr := serveTestDNS(t, map[string]bool{domain: true, domain2: true})
-	httpsAddr, httpAddr := freeAddr(t), freeAddr(t)
-	acmeAddr, mgmtAddr := freeAddr(t), freeAddr(t)
+	httpsAddr, httpAddr := ports.Free(t, "tcp"), ports.Free(t, "tcp")
+	acmeAddr, mgmtAddr := ports.Free(t, "tcp"), ports.Free(t, "tcp")
 	_, httpPort, _ := net.SplitHostPort(httpAddr)
 	_, httpsPort, _ := net.SplitHostPort(httpsAddr)
 	// tls-alpn-01, which autocert tries first, goes to a closed port:
 	// the certificates must come through http-01 on --http-listen.
-	_, closedPort, _ := net.SplitHostPort(freeAddr(t))
+	_, closedPort, _ := net.SplitHostPort(ports.Free(t, "tcp"))
 	pebbleLog := startPebble(t, dir, dnsAddr, map[string]any{
 		"listenAddress":           acmeAddr,
 		"managementListenAddress": mgmtAddr,

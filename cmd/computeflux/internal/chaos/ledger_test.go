@@ -81,7 +81,7 @@ func TestLedgerRealProcesses(t *testing.T) {
 	}
 	// Fixed addresses, so that the restarted relay is where the agents and
 	// clients look for it.
-	httpAddr, p2pPort := freeAddr(t, "tcp"), freeAddr(t, "udp")
+	httpAddr, p2pPort := ports.Free(t, "tcp"), ports.Free(t, "udp")
 	_, port, _ := net.SplitHostPort(p2pPort)
 	c := newCluster(clusterSpec{
 		Name: "ledger", Binary: binary, Dir: dir, Agents: 2,
@@ -454,6 +454,3 @@ func waitRouting(ctx context.Context, t *testing.T, c *cluster, hc *http.Client,
 		time.Sleep(100 * time.Millisecond) // polling, with a deadline
 	}
 }
-
-// freeAddr returns a loopback address free for network ("tcp", "udp").
-func freeAddr(t *testing.T, network string) string { return ports.Free(t, network) }
