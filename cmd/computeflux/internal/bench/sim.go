@@ -184,7 +184,7 @@ type simRun struct {
 	kick    []bool
 	kicked  bool
 	waiters map[int]*simCall
-	flows   []string // the queue's flow of each session
+	flows   []string // the queue's flow of each session (flowOf)
 }
 
 // runSim simulates one policy on w.
@@ -461,7 +461,7 @@ func (r *simRun) send(si int) {
 		cost: float64(len(s.tokens) + min(t.MaxTokens, 4096)),
 	}
 	if r.queues != nil {
-		c.flow = r.flowOf(si)
+		c.flow = r.flowOf(c)
 	}
 	r.begin(c, ws.Key)
 	r.recs = append(r.recs, record{engine: -1})

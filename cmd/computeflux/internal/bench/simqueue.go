@@ -19,9 +19,9 @@ import (
 // announces it to the scheduler as its capacity. Every request asks the
 // scheduler with Request.Wait: one that finds every agent full, or finds
 // requests already waiting, waits in its relay's scheduler.Queue, one
-// flow per session (a keyless trace replay makes every request a session
-// of its own, so its requests go in arrival order), its cost its prompt
-// and answer in tokens, all interactive and of weight 1. When a slot frees
+// flow per client (flowOf: a session, or each request of a trace replay,
+// keys or none), its cost its prompt and answer in tokens, all interactive
+// and of weight 1. When a slot frees
 // (an attempt is reported, an agent joins), the relay's dispatcher asks
 // the scheduler to place the queue's head, in the same instant of model
 // time: the queue decides when, the scheduler where. A request waits at
@@ -83,15 +83,23 @@ func (r *simRun) queueOf(c *simCall) *scheduler.Queue[*simCall] {
 	return r.queues[c.relay]
 }
 
-// flowOf names session si's flow in the queue.
-func (r *simRun) flowOf(si int) string {
+// flowOf names c's flow in the queue: its client. The relay's flow is the
+// client (an API key, else an address: flowFor in relay/queue.go) and a
+// session key never changes it, so neither may the simulation's: a session
+// is one client, unless the workload makes each turn one
+// (Workload.ClientPerTurn, a trace replay, keyed or not). Keys change where
+// a request goes, never its place in the queue.
+func (r *simRun) flowOf(c *simCall) string {
+	if r.w.ClientPerTurn {
+		return "r" + strconv.Itoa(c.rec)
+	}
 	if r.flows == nil {
 		r.flows = make([]string, len(r.sess))
 	}
-	if r.flows[si] == "" {
-		r.flows[si] = "s" + strconv.Itoa(si)
+	if r.flows[c.sess] == "" {
+		r.flows[c.sess] = "s" + strconv.Itoa(c.sess)
 	}
-	return r.flows[si]
+	return r.flows[c.sess]
 }
 
 // waitable reports whether a Pick error means "wait for room".

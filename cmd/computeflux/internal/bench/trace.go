@@ -120,7 +120,8 @@ func TraceWorkload(recs []TraceRecord, cfg TraceConfig, seed uint64) (*Workload,
 
 	type ends struct{ session, full int }
 	byLast := make(map[uint64]ends) // id of a request's last full block -> its session and full-block count
-	w := &Workload{Name: "mooncake-trace"}
+	// The trace names no clients: each request is one, keys or none.
+	w := &Workload{Name: "mooncake-trace", ClientPerTurn: true}
 	for _, i := range order {
 		rec := recs[i]
 		full := rec.InputLength / TraceBlockTokens

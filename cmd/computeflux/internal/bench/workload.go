@@ -24,6 +24,10 @@ type Workload struct {
 	// the previous answer and is sent Turn.Think after the previous response
 	// ended. Otherwise turns are sent at Turn.At (open loop, trace replay).
 	Chat bool
+	// ClientPerTurn makes every turn a client of its own in the relay's
+	// queue, as a trace that names no clients; otherwise a session is one
+	// client. A session key never changes a request's client.
+	ClientPerTurn bool
 	// Sessions are sorted by Start.
 	Sessions []Session
 }
