@@ -18,18 +18,18 @@ import (
 // too, since the simulated engine queues nothing below its batch), and
 // announces it to the scheduler as its capacity. Every request asks the
 // scheduler with Request.Wait: one that finds every agent full, or finds
-// requests already waiting, waits in its relay's scheduler.Queue, one
-// flow per client (flowOf: a session, or each request of a trace replay,
-// keys or none), its cost its prompt and answer in tokens, all interactive
-// and of weight 1. When a slot frees
-// (an attempt is reported, an agent joins), the relay's dispatcher asks
-// the scheduler to place the queue's head, in the same instant of model
-// time: the queue decides when, the scheduler where. A request waits at
-// most relay.DefaultQueueWait, then fails as the relay answers 429. The
-// scheduler's affinity allowance (Config.AffinityCapacity) lets a
-// session's agent take more than its limit; the agent's own gate holds
-// those, modelled by the engine's first-come queue. Every policy runs
-// with the same limits and queue, so that runs differ by placement only.
+// requests already waiting, waits in its relay's scheduler.Queue, one flow
+// per client (flowOf: a session, or each request of a trace replay, keys
+// or none), its cost its prompt and answer in tokens, all interactive and
+// of weight 1. When a slot frees (an attempt is reported, an agent joins),
+// the relay's dispatcher asks the scheduler to place the queue's head, in
+// the same instant of model time: the queue decides when, the scheduler
+// where. A request waits at most relay.DefaultQueueWait, then fails as the
+// relay answers 429. The scheduler's affinity allowance
+// (Config.AffinityCapacity) lets a session's agent take more than its
+// limit; the agent's own gate holds those, modelled by the engine's
+// first-come queue. Every policy runs with the same limits and queue, so
+// that runs differ by placement only.
 
 // evQueueWait ends a request's wait in the queue at its bound.
 const evQueueWait uint8 = 201
