@@ -104,6 +104,7 @@ func benchConfig(args []string, stderr io.Writer) (bench.Config, []bench.Scenari
 	fs.IntVar(&cfg.TraceLimit, "trace-limit", 0, "replay only the trace's first N requests (0: all)")
 	fs.Float64Var(&cfg.Trace.Speed, "trace-speed", 1, "replay the trace's arrivals this many times faster")
 	fs.IntVar(&cfg.Trace.MaxOutput, "trace-max-output", 0, "cap the trace's answer lengths (0: none)")
+	fs.StringVar(&cfg.Trace.Clients, "trace-clients", bench.TraceClientsRequest, "who the relay's fair queue sees as a client in a trace replay: each request, or each conversation (one user, one API key), keys or none")
 	fs.Float64Var(&cfg.TimeScale, "time-scale", 10, "live: run the engines this many times faster than real time")
 	fs.BoolVar(&cfg.Parallel, "parallel", false, "live: run the policies at the same time, each on its own cluster (fairer on a busy machine)")
 	fs.DurationVar(&cfg.Timeout, "timeout", 0, "live: bound on one policy's run in real time (default 5m)")

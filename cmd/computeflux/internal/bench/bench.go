@@ -272,6 +272,9 @@ func (c *Config) validate() error {
 	if c.Engines < minEngines {
 		errs = append(errs, fmt.Errorf("engines %d: the %s scenario needs at least %d", c.Engines, c.Scenario, minEngines))
 	}
+	if c.Trace.Clients != "" && c.Trace.Clients != TraceClientsRequest && c.TracePath == "" {
+		errs = append(errs, errors.New("trace clients apply to a trace replay (--trace); chat sessions are their clients"))
+	}
 	if c.Scenario == ScenarioSkew && c.TracePath != "" {
 		errs = append(errs, errors.New("the skew scenario shapes the chat workload; it does not apply to a trace"))
 	}

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"time"
 
@@ -101,53 +102,81 @@ func TestSimQueueWaitBound(t *testing.T) {
 	}
 }
 
-// A trace replay names no clients, so the queue sees each request as one,
-// keyed or not: a conversation whose next turns arrive while its first is
-// in service waits as keyless requests do, not behind its own first turn
-// as a single client's would. Session keys change where a request goes,
-// never its place in the queue.
+// queueTrace is the conversation of TestSimTraceQueueIgnoresKeys: three
+// turns (each prompt starts with the last one's blocks), the first a long
+// answer that holds the only slot, and a larger, unrelated request after
+// them.
+var queueTrace = []TraceRecord{
+	{Timestamp: 0, InputLength: 512, OutputLength: 2000, HashIDs: []uint64{1}},
+	{Timestamp: 1, InputLength: 1024, OutputLength: 10, HashIDs: []uint64{1, 2}},
+	{Timestamp: 2, InputLength: 1536, OutputLength: 10, HashIDs: []uint64{1, 2, 3}},
+	{Timestamp: 3, InputLength: 2048, OutputLength: 10, HashIDs: []uint64{9, 10, 11, 12}},
+}
+
+// placeQueueTrace replays queueTrace with tc on one engine of one slot and
+// returns the time each request was placed, after checking that tc's
+// workload has sessions sessions and that the three later requests
+// queued.
+func placeQueueTrace(t *testing.T, tc TraceConfig, sessions int) []time.Duration {
+	t.Helper()
+	tc.Bucket = time.Nanosecond
+	w, err := TraceWorkload(queueTrace, tc, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(w.Sessions) != sessions {
+		t.Fatalf("%+v: %d sessions, want %d", tc, len(w.Sessions), sessions)
+	}
+	// Capacity strict for sessions too, so that keys change nothing but
+	// the queue's flows, if they did.
+	cfg := simConfig(Config{Engines: 1, Engine: simengine.EngineConfig{MaxRunning: 1},
+		Scheduler: scheduler.Config{AffinityCapacity: 1}})
+	res, rs, err := simulate(context.Background(), cfg, w, scheduler.PolicySticky)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Errors != 0 || res.Queued != 3 || len(rs) != 4 {
+		t.Fatalf("%+v: %d errors, %d queued of %d", tc, res.Errors, res.Queued, len(rs))
+	}
+	var placed []time.Duration
+	for _, r := range rs {
+		placed = append(placed, r.first+r.wait)
+	}
+	return placed
+}
+
+// A trace replay names no clients, so by default the queue sees each
+// request as one, keyed or not: a conversation whose next turns arrive
+// while its first is in service waits as keyless requests do, not behind
+// its own first turn as a single client's would. Session keys change where
+// a request goes, never its place in the queue.
 func TestSimTraceQueueIgnoresKeys(t *testing.T) {
-	// One conversation of three turns (each prompt starts with the last
-	// one's blocks), the first a long answer that holds the only slot, and
-	// a larger, unrelated request after them.
-	recs := []TraceRecord{
-		{Timestamp: 0, InputLength: 512, OutputLength: 2000, HashIDs: []uint64{1}},
-		{Timestamp: 1, InputLength: 1024, OutputLength: 10, HashIDs: []uint64{1, 2}},
-		{Timestamp: 2, InputLength: 1536, OutputLength: 10, HashIDs: []uint64{1, 2, 3}},
-		{Timestamp: 3, InputLength: 2048, OutputLength: 10, HashIDs: []uint64{9, 10, 11, 12}},
-	}
-	placed := make(map[bool][]time.Duration)
-	for _, keyless := range []bool{false, true} {
-		w, err := TraceWorkload(recs, TraceConfig{Bucket: time.Nanosecond, Keyless: keyless}, 1)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if want := map[bool]int{false: 2, true: 4}[keyless]; len(w.Sessions) != want {
-			t.Fatalf("keyless %v: %d sessions, want %d", keyless, len(w.Sessions), want)
-		}
-		// Capacity strict for sessions too, so that keys change nothing
-		// but the queue's flows, if they did.
-		cfg := simConfig(Config{Engines: 1, Engine: simengine.EngineConfig{MaxRunning: 1},
-			Scheduler: scheduler.Config{AffinityCapacity: 1}})
-		res, rs, err := simulate(context.Background(), cfg, w, scheduler.PolicySticky)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if res.Errors != 0 || res.Queued != 3 || len(rs) != 4 {
-			t.Fatalf("keyless %v: %d errors, %d queued of %d", keyless, res.Errors, res.Queued, len(rs))
-		}
-		for _, r := range rs {
-			placed[keyless] = append(placed[keyless], r.first+r.wait)
-		}
-	}
-	for i := range placed[true] {
-		if placed[false][i] != placed[true][i] {
-			t.Errorf("request %d placed at %v with keys, %v without", i, placed[false][i], placed[true][i])
-		}
+	keyed := placeQueueTrace(t, TraceConfig{}, 2)
+	keyless := placeQueueTrace(t, TraceConfig{Keyless: true}, 4)
+	if !slices.Equal(keyed, keyless) {
+		t.Errorf("placed at %v with keys, %v without", keyed, keyless)
 	}
 	// Requests of their own flows go by cost: the conversation's short
 	// turns before the larger request.
-	if p := placed[false]; !(p[1] < p[2] && p[2] < p[3]) {
+	if p := keyed; !(p[1] < p[2] && p[2] < p[3]) {
 		t.Errorf("placed %v: want the second and third turns before the other request", p)
+	}
+}
+
+// With a client per conversation (one user, one API key) the queue holds
+// the conversation's later turns behind the service its first turn had, so
+// the unrelated request goes first; keyless as keyed, since the
+// conversations are inferred either way and only the key is left out.
+func TestSimTraceClientPerConversation(t *testing.T) {
+	keyed := placeQueueTrace(t, TraceConfig{Clients: TraceClientsConversation}, 2)
+	keyless := placeQueueTrace(t, TraceConfig{Clients: TraceClientsConversation, Keyless: true}, 2)
+	if !slices.Equal(keyed, keyless) {
+		t.Errorf("placed at %v with keys, %v without", keyed, keyless)
+	}
+	if p := keyed; !(p[3] < p[1] && p[1] < p[2]) {
+		t.Errorf("placed %v: want the other request before the conversation's later turns", p)
+	}
+	if _, err := TraceWorkload(queueTrace, TraceConfig{Clients: "user"}, 1); err == nil {
+		t.Error("clients \"user\": no error")
 	}
 }

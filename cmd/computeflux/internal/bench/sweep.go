@@ -207,6 +207,7 @@ type SweepReport struct {
 	SLO           float64 `json:"slo_ttft_p90_ms"`
 	Seed          uint64  `json:"seed"`
 	Keys          string  `json:"keys"`
+	Clients       string  `json:"clients"` // TraceClientsRequest or TraceClientsConversation
 	Scenario      string  `json:"scenario"`
 	// Policies are in the order run.
 	Policies []SweepResult `json:"policies"`
@@ -249,7 +250,7 @@ func RunSweep(ctx context.Context, cfg Config) (*SweepReport, error) {
 	tc := cfg.Trace
 	tc.Keyless = cfg.Keys != KeysWith
 	rp := &SweepReport{Engines: cfg.Engines, SLO: float64(sc.SLO) / 1e6, Seed: cfg.Seed,
-		Keys: map[bool]string{true: KeysWithout, false: KeysWith}[tc.Keyless], Scenario: cfg.Scenario.String()}
+		Keys: map[bool]string{true: KeysWithout, false: KeysWith}[tc.Keyless], Clients: cmp.Or(tc.Clients, TraceClientsRequest), Scenario: cfg.Scenario.String()}
 	workloads := map[float64]*Workload{} // by speed, shared by the policies
 	prefillRate := cfg.Engine.PrefillTokensPerSec
 	if prefillRate == 0 {
@@ -400,8 +401,8 @@ func (rp *SweepReport) WriteTable(w io.Writer) error {
 	if rp.DispatchLimit > 0 {
 		limit = fmt.Sprintf("%d per agent, the rest wait in the relay's fair queue", rp.DispatchLimit)
 	}
-	fmt.Fprintf(&b, "capacity sweep, sim, scenario %s, workload %s: %d requests, %d engines, seed %d, session keys %s\n",
-		rp.Scenario, rp.Workload, rp.Requests, rp.Engines, rp.Seed, rp.Keys)
+	fmt.Fprintf(&b, "capacity sweep, sim, scenario %s, workload %s: %d requests, %d engines, seed %d, session keys %s, a client per %s\n",
+		rp.Scenario, rp.Workload, rp.Requests, rp.Engines, rp.Seed, rp.Keys, cmp.Or(rp.Clients, TraceClientsRequest))
 	fmt.Fprintf(&b, "dispatch limit %s; SLO: TTFT p90 <= %.0f ms (a failed request misses it)\n", limit, rp.SLO)
 	b.WriteString("latencies in ms of model time; rates per second of model time; queued: requests that waited at the relay, wait p90\n")
 	b.WriteString("over all requests; prefill wait: time in the engine behind other prompts; goodput: requests whose first token met the SLO\n\n")

@@ -65,10 +65,21 @@ type TraceConfig struct {
 	Speed float64
 	// MaxOutput caps answer lengths (0: none).
 	MaxOutput int
-	// Keyless makes every request a session of its own with no key: no
-	// sessions are inferred, as a client that names none.
+	// Keyless sends no session key: with Clients TraceClientsRequest every
+	// request is then a session of its own and none are inferred.
 	Keyless bool
+	// Clients says who the relay's queue sees as a client: each request
+	// (TraceClientsRequest, the default: the trace names no clients) or
+	// each inferred conversation (TraceClientsConversation: one user, one
+	// API key), keys or none.
+	Clients string
 }
+
+// Client models of a trace replay (TraceConfig.Clients).
+const (
+	TraceClientsRequest      = "request"
+	TraceClientsConversation = "conversation"
+)
 
 // TraceWorkload turns trace records into an open-loop workload. Sessions
 // are inferred as the traces' documentation suggests: a request whose
@@ -85,6 +96,15 @@ func TraceWorkload(recs []TraceRecord, cfg TraceConfig, seed uint64) (*Workload,
 	if !(cfg.Speed > 0) || math.IsInf(cfg.Speed, 0) || cfg.Bucket < 0 {
 		return nil, fmt.Errorf("bench: trace replay: speed %v and bucket %v must be positive", cfg.Speed, cfg.Bucket)
 	}
+	perConversation := false
+	switch cfg.Clients {
+	case "", TraceClientsRequest:
+	case TraceClientsConversation:
+		perConversation = true
+	default:
+		return nil, fmt.Errorf("bench: trace replay: clients %q: want %s or %s", cfg.Clients, TraceClientsRequest, TraceClientsConversation)
+	}
+	infer := !cfg.Keyless || perConversation
 	rng := rand.New(rand.NewPCG(seed, 0x7472616365)) // "trace"
 	// Spread each group of equal timestamps over one bucket.
 	at := make([]time.Duration, len(recs))
@@ -120,13 +140,12 @@ func TraceWorkload(recs []TraceRecord, cfg TraceConfig, seed uint64) (*Workload,
 
 	type ends struct{ session, full int }
 	byLast := make(map[uint64]ends) // id of a request's last full block -> its session and full-block count
-	// The trace names no clients: each request is one, keys or none.
-	w := &Workload{Name: "mooncake-trace", ClientPerTurn: true}
+	w := &Workload{Name: "mooncake-trace", ClientPerTurn: !perConversation}
 	for _, i := range order {
 		rec := recs[i]
 		full := rec.InputLength / TraceBlockTokens
 		sess := -1
-		for j := min(full, len(rec.HashIDs)) - 1; j >= 0 && sess < 0 && !cfg.Keyless; j-- {
+		for j := min(full, len(rec.HashIDs)) - 1; j >= 0 && sess < 0 && infer; j-- {
 			if e, ok := byLast[rec.HashIDs[j]]; ok && e.full == j+1 && e.full < full {
 				sess = e.session
 			}
