@@ -19,8 +19,8 @@ import (
 // announces it to the scheduler as its capacity. Every request asks the
 // scheduler with Request.Wait: one that finds every agent full, or finds
 // requests already waiting, waits in its relay's scheduler.Queue, one flow
-// per client (flowOf: a session, or each request of a trace replay, keys
-// or none), its cost its prompt and answer in tokens, all interactive and
+// per client (flowOf: a session, or each request of a trace replay unless
+// its clients are conversations; keys never change it), its cost its prompt and answer in tokens, all interactive and
 // of weight 1. When a slot frees (an attempt is reported, an agent joins),
 // the relay's dispatcher asks the scheduler to place the queue's head, in
 // the same instant of model time: the queue decides when, the scheduler
@@ -87,8 +87,8 @@ func (r *simRun) queueOf(c *simCall) *scheduler.Queue[*simCall] {
 // client (an API key, else an address: flowFor in relay/queue.go) and a
 // session key never changes it, so neither may the simulation's: a session
 // is one client, unless the workload makes each turn one
-// (Workload.ClientPerTurn, a trace replay, keyed or not). Keys change where
-// a request goes, never its place in the queue.
+// (Workload.ClientPerTurn: a trace replay with TraceClientsRequest, keyed
+// or not). Keys change where a request goes, never its place in the queue.
 func (r *simRun) flowOf(c *simCall) string {
 	if r.w.ClientPerTurn {
 		return "r" + strconv.Itoa(c.rec)
